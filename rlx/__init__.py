@@ -1,0 +1,10 @@
+"""rlx: reinforcement learning of language models in JAX.
+
+Subpackages:
+  rlx.objectives      pure-function losses, advantages, KL, mismatch correction
+  rlx.policy          decoder-only transformer, HF checkpoints, token log-probs
+  rlx.kernels_pallas  Pallas kernels (paged attention, FP8 matmul) + references
+  rlx.train           mesh, train state, the sharded train step, checkpoints
+"""
+
+__version__ = "0.1.0"

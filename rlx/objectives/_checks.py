@@ -1,0 +1,100 @@
+"""Input validation shared by every objective.
+
+Each public objective validates on entry: ranks and shapes are static under
+`jit`, so these checks cost nothing at run time and fail before tracing goes
+further. Hyper-parameters are checked only when they are concrete Python
+numbers; traced values (e.g. adaptive clip bounds) pass through unchecked.
+"""
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Log-ratios are clamped to +-LOG_RATIO_CLAMP before `exp` (REFERENCE.md).
+LOG_RATIO_CLAMP = 20.0
+
+
+def shape_str(x: Any) -> str:
+  return str(tuple(np.shape(x)))
+
+
+def check_rank(x: Any, rank: int, name: str) -> None:
+  """Raises ValueError unless `x` has rank `rank`."""
+  if np.ndim(x) != rank:
+    raise ValueError(f"`{name}` must have rank {rank}, got shape {shape_str(x)}.")
+
+
+def check_same_shape(reference_name: str, reference: Any, others: Mapping[str, Any]) -> None:
+  """Raises ValueError naming the first array of `others` whose shape differs."""
+  want = np.shape(reference)
+  for name, x in others.items():
+    if x is None:
+      continue
+    if np.shape(x) != want:
+      raise ValueError(
+          f"`{name}` must have the shape of `{reference_name}` {tuple(want)}, "
+          f"got {shape_str(x)}."
+      )
+
+
+def check_token_arrays(**arrays: Any) -> None:
+  """Checks that all given (non-None) arrays are `[B, T]` and share one shape.
+
+  The first keyword is the reference the others are compared to.
+  """
+  items = [(k, v) for k, v in arrays.items() if v is not None]
+  if not items:
+    return
+  ref_name, ref = items[0]
+  check_rank(ref, 2, ref_name)
+  check_same_shape(ref_name, ref, dict(items[1:]))
+
+
+def check_choice(value: Any, choices: Iterable[str], name: str) -> None:
+  choices = tuple(choices)
+  if value not in choices:
+    raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+
+
+def is_concrete(x: Any) -> bool:
+  """True for Python/NumPy numbers (not JAX tracers or device arrays)."""
+  return isinstance(x, int | float | np.number | np.ndarray) and not isinstance(x, jax.Array)
+
+
+def check_non_negative(value: Any, name: str) -> None:
+  if value is not None and is_concrete(value) and not np.all(np.asarray(value) >= 0):
+    raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
+
+
+def check_positive(value: Any, name: str) -> None:
+  if value is not None and is_concrete(value) and not np.all(np.asarray(value) > 0):
+    raise ValueError(f"`{name}` must be > 0, got {value!r}.")
+
+
+def check_greater(value: Any, bound: float, name: str) -> None:
+  if value is not None and is_concrete(value) and not np.all(np.asarray(value) > bound):
+    raise ValueError(f"`{name}` must be > {bound}, got {value!r}.")
+
+
+def check_interval(low: Any, high: Any, low_name: str, high_name: str) -> None:
+  """Raises ValueError if concrete `low > high`."""
+  if is_concrete(low) and is_concrete(high) and not np.all(np.asarray(low) <= np.asarray(high)):
+    raise ValueError(f"`{low_name}` ({low!r}) must be <= `{high_name}` ({high!r}).")
+
+
+def as_f32(x: jax.Array) -> jax.Array:
+  return jnp.asarray(x).astype(jnp.float32)
+
+
+def as_mask(mask: jax.Array) -> jax.Array:
+  """Boolean view of a 0/1 (or bool) mask."""
+  mask = jnp.asarray(mask)
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def where_mask(mask: jax.Array, x: jax.Array, fill: float = 0.0) -> jax.Array:
+  """`x` at valid positions, `fill` elsewhere (NaN-safe: never multiplies)."""
+  return jnp.where(mask, x, jnp.asarray(fill, x.dtype))
