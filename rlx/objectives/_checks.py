@@ -35,8 +35,7 @@ def check_same_shape(reference_name: str, reference: Any, others: Mapping[str, A
       continue
     if np.shape(x) != want:
       raise ValueError(
-          f"`{name}` must have the shape of `{reference_name}` {tuple(want)}, "
-          f"got {shape_str(x)}."
+        f"`{name}` must have the shape of `{reference_name}` {tuple(want)}, got {shape_str(x)}."
       )
 
 
