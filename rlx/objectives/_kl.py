@@ -1,0 +1,83 @@
+"""Per-token KL-divergence estimators against a reference policy (verl `kl_penalty`)."""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from rlx.objectives import _checks
+
+KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl", "k3+")
+
+# verl clamps the k3 estimate to this range.
+_K3_CLAMP = 10.0
+
+
+def _k3(delta: jax.Array) -> jax.Array:
+  """k3 of Delta = lp - ref: e^x - x - 1 with x = clamp(-Delta, +-20), clamped to +-10."""
+  x = jnp.clip(-delta, -_checks.LOG_RATIO_CLAMP, _checks.LOG_RATIO_CLAMP)
+  return jnp.clip(jnp.exp(x) - x - 1.0, -_K3_CLAMP, _K3_CLAMP)
+
+
+def kl_penalty(
+  logp: Float[Array, "B T"],
+  ref_logp: Float[Array, "B T"],
+  kind: str,
+  *,
+  mask: Float[Array, "B T"] | None = None,
+) -> Float[Array, "B T"]:
+  """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta.
+
+  With Delta = logp - ref_logp (per token):
+    "k1":                 Delta
+    "abs":                |Delta|
+    "k2":                 Delta^2 / 2
+    "k3" / "low_var_kl":  clamp(e^x - x - 1, -10, 10) with x = clamp(-Delta, -20, 20)
+    "k3+":                the value of k3 with the gradient of k2 (straight-through:
+                          k2 - sg(k2) + sg(k3))
+
+  Gradients flow into `logp` (and `ref_logp`, should it be traced; callers
+  normally pass a constant reference). The caller aggregates, e.g. with
+  `aggregate(kl, mask, ...)`.
+
+  References: J. Schulman, "Approximating KL Divergence" (2020),
+  http://joschu.net/blog/kl-approx.html; verl `core_algos.kl_penalty`.
+
+  Args:
+    logp: log-probs of the sampled tokens under the current policy, `[B, T]`.
+    ref_logp: log-probs of the same tokens under the reference policy, `[B, T]`.
+    kind: one of "k1", "abs", "k2", "k3", "low_var_kl", "k3+".
+    mask: optional `[B, T]` mask. When given, masked positions are replaced by 0
+      before any arithmetic and the output is 0 there, so NaN/inf padding never
+      reaches a value or a gradient. Without it every position is computed.
+
+  Returns:
+    float32 per-token KL estimates with shape `[B, T]`.
+  """
+  _checks.check_choice(kind, KL_KINDS, "kind")
+  logp = jnp.asarray(logp)
+  ref_logp = jnp.asarray(ref_logp)
+  _checks.check_token_arrays(logp=logp, ref_logp=ref_logp, mask=mask)
+  logp = _checks.as_f32(logp)
+  ref_logp = _checks.as_f32(ref_logp)
+  valid = None
+  if mask is not None:
+    valid = _checks.as_mask(mask)
+    logp = _checks.where_mask(valid, logp)
+    ref_logp = _checks.where_mask(valid, ref_logp)
+
+  delta = logp - ref_logp
+  if kind == "k1":
+    kl = delta
+  elif kind == "abs":
+    kl = jnp.abs(delta)
+  elif kind == "k2":
+    kl = 0.5 * jnp.square(delta)
+  elif kind in ("k3", "low_var_kl"):
+    kl = _k3(delta)
+  else:  # "k3+"
+    k2 = 0.5 * jnp.square(delta)
+    kl = k2 - jax.lax.stop_gradient(k2) + jax.lax.stop_gradient(_k3(delta))
+
+  if valid is not None:
+    kl = _checks.where_mask(valid, kl)
+  return kl

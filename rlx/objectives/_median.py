@@ -1,0 +1,92 @@
+"""MC-GRPO: the median baseline over G + 1 rollouts with one dropped pivot."""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from rlx.objectives import _checks
+
+MEDIAN_SCALES = ("std", "mad", "none")
+
+# Default `eps` per scale: the MC-GRPO reference adds 1e-3 to the MAD; the std
+# scale follows GRPO's 1e-6.
+_DEFAULT_EPS = {"std": 1e-6, "mad": 1e-3, "none": 0.0}
+
+
+def median_advantages(
+  rewards: Float[Array, "Ng Gp1"],
+  *,
+  scale: str = "std",
+  eps: float | None = None,
+) -> tuple[Float[Array, "Ng Gp1"], Float[Array, "Ng Gp1"]]:
+  """MC-GRPO median-baseline advantages and the keep-mask dropping one pivot per group.
+
+  Each prompt gets an odd number G + 1 of rollouts. With m = median_g(s):
+
+    A_ig = (s_ig - m_i) / (S_i + eps)
+
+  where S_i is, by `scale`:
+    "std":  the unbiased (N - 1) standard deviation of the G + 1 rewards (default);
+    "mad":  the median absolute deviation median_g |s_ig - m_i| (the reference);
+    "none": S = 1 and eps = 0, i.e. A = s - m.
+
+  Exactly one rollout per group, the *pivot*, is the median itself: it gets
+  A = 0 and keep_mask = 0, so G rollouts carry gradient, the same update cost as
+  plain G-rollout GRPO. The pivot is the middle element of a stable sort of the
+  group, so among tied median values the pivot is determined by index order.
+  Ties: only the pivot is dropped; other rollouts whose reward equals the
+  median keep A = 0 and keep_mask = 1 (they still count in loss denominators).
+
+  Why the default is "std": with binary rewards the median is the majority
+  value, so more than half of the group sits at it and the MAD is 0; the
+  reference's MAD scaling then yields A in {0, +-1/eps} = {0, +-1000}. The std
+  scale keeps binary-reward advantages O(1) and equals GRPO's scaling.
+
+  Reference: MC-GRPO (median-centred GRPO), https://github.com/lotusroot-kim/MC-GRPO.
+
+  Args:
+    rewards: per-rollout scalar rewards with shape `[num_groups, G + 1]`; the group
+      size must be odd and >= 3.
+    scale: "std" | "mad" | "none", see above.
+    eps: added to the scale before dividing; None picks 1e-6 for "std" and 1e-3
+      for "mad" (the reference's value). Ignored for "none".
+
+  Returns:
+    `(advantages, keep_mask)`, both float32 with shape `[num_groups, G + 1]`;
+    keep_mask is 0 at exactly one pivot index per group and 1 elsewhere.
+    Multiply the keep-mask into the per-sequence loss mask before
+    `broadcast_to_tokens`/the loss.
+  """
+  rewards = _checks.as_f32(rewards)
+  _checks.check_rank(rewards, 2, "rewards")
+  _checks.check_choice(scale, MEDIAN_SCALES, "scale")
+  group_size = rewards.shape[1]
+  if group_size < 3 or group_size % 2 == 0:
+    raise ValueError(
+      "`rewards` must hold an odd number G + 1 >= 3 of rollouts per group (MC-GRPO drops one "
+      f"median pivot so that G carry gradient), got group size {group_size} in shape "
+      f"{rewards.shape}."
+    )
+  if eps is None:
+    eps = _DEFAULT_EPS[scale]
+  _checks.check_non_negative(eps, "eps")
+
+  order = jnp.argsort(rewards, axis=1, stable=True)
+  pivot = order[:, (group_size - 1) // 2]  # [Ng]
+  median = jnp.take_along_axis(rewards, pivot[:, None], axis=1)  # [Ng, 1]
+  centered = rewards - median
+
+  if scale == "std":
+    spread = jnp.std(rewards, axis=1, keepdims=True, ddof=1)
+    advantages = centered / (spread + eps)
+  elif scale == "mad":
+    spread = jnp.median(jnp.abs(centered), axis=1, keepdims=True)
+    advantages = centered / (spread + eps)
+  else:
+    advantages = centered
+
+  is_pivot = jnp.arange(group_size)[None, :] == pivot[:, None]
+  keep_mask = jnp.where(is_pivot, jnp.float32(0.0), jnp.float32(1.0))
+  # Rollouts at the median (the pivot and its ties) get exactly 0, even when the
+  # scale is 0 and eps = 0 (0 / 0).
+  advantages = jnp.where(centered == 0, jnp.float32(0.0), advantages)
+  return advantages, keep_mask

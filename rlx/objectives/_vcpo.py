@@ -1,0 +1,55 @@
+"""VCPO: an effective-sample-size learning-rate factor for off-policy batches."""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from rlx.objectives import _checks
+
+
+def vcpo_lr_factor(
+  seq_weights: Float[Array, " B"],
+  *,
+  valid: Bool[Array, " B"] | None = None,
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+  """Normalised ESS of sequence IS weights and the learning-rate factor sqrt(min(1, ESS)).
+
+    rho_ess   = (sum_i w_i)^2 / (B * sum_i w_i^2)
+    lr_factor = sqrt(min(1, rho_ess)),   lr = lr_base * lr_factor
+
+  over the B valid sequences. rho_ess is 1 for equal weights and 1/B when one
+  sequence carries all the weight. With no valid sequence, or all weights 0,
+  the ESS is undefined and both outputs are 1 (the update is empty anyway).
+  The optimizer applies the factor, e.g. through `optax.scale_by_schedule` or
+  by scaling the updates; nothing here is differentiated.
+
+  Reference: VCPO's ESS-scaled step size for off-policy RL of LLMs, as specified
+  in rlx's REFERENCE.md ("VCPO").
+
+  Args:
+    seq_weights: non-negative sequence-level IS weights `[B]` (e.g. exp of the
+      summed token log-ratios, possibly truncated).
+    valid: optional bool `[B]`; False entries are ignored (NaN-safe).
+
+  Returns:
+    `(rho_ess, lr_factor)`, float32 scalars.
+  """
+  seq_weights = jnp.asarray(seq_weights)
+  _checks.check_rank(seq_weights, 1, "seq_weights")
+  if seq_weights.shape[0] == 0:
+    raise ValueError("`seq_weights` must hold at least one sequence, got shape (0,).")
+  if valid is None:
+    valid = jnp.ones(seq_weights.shape, jnp.bool_)
+  else:
+    valid = _checks.as_mask(jnp.asarray(valid))
+    _checks.check_same_shape("seq_weights", seq_weights, {"valid": valid})
+  w = jax.lax.stop_gradient(jnp.where(valid, _checks.as_f32(seq_weights), 0.0))
+  # ESS is scale invariant: divide by the max so large weights never overflow.
+  w = w / jnp.maximum(jnp.max(jnp.abs(w)), jnp.float32(1e-30))
+  n = jnp.sum(valid.astype(jnp.float32))
+  sq = jnp.sum(jnp.square(w))
+  den = n * sq
+  ok = den > 0
+  rho_ess = jnp.where(ok, jnp.square(jnp.sum(w)) / jnp.where(ok, den, 1.0), 1.0)
+  lr_factor = jnp.sqrt(jnp.minimum(rho_ess, 1.0))
+  return rho_ess, lr_factor
