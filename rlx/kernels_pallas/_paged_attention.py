@@ -1,0 +1,567 @@
+"""Paged decode attention over bf16/f32 or FP8 KV pages: Pallas GPU kernel + reference.
+
+One query token per sequence attends to that sequence's cached keys/values,
+which live in a shared pool of fixed-size pages addressed through a page table
+(vLLM's PagedAttention, Kwon et al. 2023, arXiv:2309.06180; shapes as in JAX's
+`pallas.ops.gpu.paged_attention`):
+
+  K_b = concat_j k_pages[:, page_table[b, j]] * k_scale      (first lengths[b] rows)
+  out[b, h] = softmax(sm_scale * q[b, h] . K_b[h // G]^T) V_b[h // G],  G = H / Hkv
+
+File order: constants -> GPU kernel over refs -> its `pallas_call` ->
+public jitted wrapper (shared validator, dispatch) -> `paged_attention_reference`.
+The TPU (Mosaic) kernel lives in `_paged_attention_tpu.py`.
+
+GPU backend: the kernel is a plain `pl.pallas_call` lowered by the Pallas
+*Triton* backend (`jax.experimental.pallas.triton`), which jax 0.10.2 supports
+on Hopper (sm_90). Triton dots need both operands in one dtype, so an
+FP8 x BF16 mixed dot is not available: FP8 pages are converted to the dot dtype
+in-kernel (exact: every e4m3fn/e5m2 value is a bf16 value); the HBM byte saving
+of FP8 pages remains, which is what matters for bandwidth-bound decode.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+from rlx.kernels_pallas import _paged_attention_tpu
+from rlx.kernels_pallas._fp8_quant import is_fp8
+
+# Finite "minus infinity" for masked logits and the running max: exp(MASK - m)
+# underflows to 0 and MASK - MASK stays finite (no inf - inf = NaN).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+PAGE_DTYPES = (
+  jnp.dtype(jnp.bfloat16),
+  jnp.dtype(jnp.float32),
+  jnp.dtype(jnp.float8_e4m3fn),
+  jnp.dtype(jnp.float8_e5m2),
+)
+Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# Streaming multiprocessors of an H100/H200 SXM; only used by the split-K heuristic.
+_GPU_NUM_SMS = 132
+IMPLS = ("auto", "pallas", "pallas_gpu", "pallas_tpu", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionBlockSizes:
+  """Tiling of the paged-attention kernels.
+
+  Attributes:
+    pages_per_compute_block: pages loaded and processed per online-softmax step
+      (GPU: one gathered `[pages_per_compute_block * page_size, D]` tile per loop
+      iteration; TPU: that many page DMAs per grid step). Power of two on GPU.
+    pages_per_split: GPU split-K. The pages of a sequence are cut into
+      partitions of this many pages, each handled by its own program (grid
+      axis), and combined by a log-sum-exp merge. `None` picks it from the
+      sequence capacity so that long contexts get several splits (it "pays"
+      when batch * kv_heads alone cannot fill the GPU's SMs); short ones get one.
+      Rounded up to a multiple of `pages_per_compute_block`. TPU: unused (the
+      TPU kernel walks the pages of a sequence sequentially).
+    min_block_h: GPU only: query heads of one KV group are padded to at least
+      this many rows (Triton `dot` needs M >= 16).
+  """
+
+  pages_per_compute_block: int = 4
+  pages_per_split: int | None = None
+  min_block_h: int = 16
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------
+# GPU kernel (Pallas Triton backend)
+# ------------------------------------------------------------------------------------------
+
+
+def _paged_attention_gpu_kernel(
+  lengths_ref,  # i32[1]: this sequence's length
+  scales_ref,  # f32[2]: (k_scale, v_scale) of this KV head
+  page_table_ref,  # i32[pages_per_split]: this split's page indices
+  q_ref,  # [block_h, D]: the query heads of this KV group (zero-padded rows)
+  k_pages_ref,  # [P, page_size, D]: this KV head's whole page pool
+  v_pages_ref,  # [P, page_size, D]
+  o_ref,  # f32[block_h, D]: unnormalized sum_t p_t v_t of this split
+  m_ref,  # f32[block_h]: running max of this split
+  l_ref,  # f32[block_h]: sum_t p_t of this split
+  *,
+  sm_scale: float,
+  pages_per_compute_block: int,
+  dot_dtype,
+):
+  """One (sequence, KV head, split) program: online softmax over its pages."""
+  split = pl.program_id(2)
+  block_h, head_dim = q_ref.shape
+  page_size = k_pages_ref.shape[1]
+  pages_per_split = page_table_ref.shape[0]
+  block_tokens = pages_per_compute_block * page_size
+  precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+
+  length = lengths_ref[0]
+  qk_scale = sm_scale * scales_ref[0]
+  v_scale = scales_ref[1]
+  first_page = split * pages_per_split
+  pages_in_split = jnp.clip(pl.cdiv(length, page_size) - first_page, 0, pages_per_split)
+  num_blocks = pl.cdiv(pages_in_split, pages_per_compute_block)
+
+  q = q_ref[...].astype(dot_dtype)
+
+  def body(i, carry):
+    acc, m_prev, denom_prev = carry
+    pages = page_table_ref[pl.ds(i * pages_per_compute_block, pages_per_compute_block)]
+    first_token = (first_page + i * pages_per_compute_block) * page_size
+    positions = first_token + jnp.arange(block_tokens, dtype=jnp.int32)
+    valid = positions < length  # [block_tokens]
+    # Mask K/V *before* the dots: garbage (even NaN) past `length` never reaches them.
+    k = k_pages_ref[pages].reshape(block_tokens, head_dim).astype(dot_dtype)
+    k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
+    logits = lax.dot_general(
+      q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+    logits = jnp.where(valid[None, :], logits * qk_scale, MASK_VALUE)  # [block_h, block_tokens]
+    m_next = jnp.maximum(m_prev, logits.max(axis=1))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.exp(logits - m_next[:, None])
+    denom_next = denom_prev * correction + p.sum(axis=1)
+    v = v_pages_ref[pages].reshape(block_tokens, head_dim).astype(dot_dtype)
+    v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+    pv = lax.dot_general(
+      p.astype(dot_dtype),
+      v,
+      (((1,), (0,)), ((), ())),
+      precision=precision,
+      preferred_element_type=jnp.float32,
+    )
+    return acc * correction[:, None] + pv, m_next, denom_next
+
+  acc0 = jnp.zeros((block_h, head_dim), jnp.float32)
+  m0 = jnp.full((block_h,), MASK_VALUE, jnp.float32)
+  denom0 = jnp.zeros((block_h,), jnp.float32)
+  acc, m, denom = lax.fori_loop(0, num_blocks, body, (acc0, m0, denom0))
+  o_ref[...] = acc * v_scale
+  m_ref[...] = m
+  l_ref[...] = denom
+
+
+def _paged_attention_gpu(
+  q, k_pages, v_pages, lengths, page_table, scales, *, sm_scale, block_sizes, interpret
+):
+  """pallas_call of the GPU kernel over (batch, kv_head, split) + split-K merge.
+
+  Shapes: q [B, H, D]; pages [Hkv, P, page, D]; lengths i32[B];
+  page_table i32[B, pps] (already sanitized); scales f32[Hkv, 2].
+  """
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, total_pages, page_size, _ = k_pages.shape
+  pages_per_sequence = page_table.shape[1]
+  group = num_heads // num_kv_heads
+  ppcb = block_sizes.pages_per_compute_block
+  if ppcb <= 0 or ppcb & (ppcb - 1):
+    raise ValueError(f"pages_per_compute_block must be a power of two, got {ppcb}.")
+  for name, value in (("page_size", page_size), ("head_dim", head_dim)):
+    if value & (value - 1):
+      raise ValueError(
+        f"The GPU (Triton) paged-attention kernel needs a power-of-two {name}, got {value}."
+      )
+  pages_per_split = block_sizes.pages_per_split
+  if pages_per_split is None:
+    # Split-K pays when batch * kv_heads programs cannot fill the SMs: aim for
+    # ~2 waves of programs, but give each split >= 2 compute blocks of pages so
+    # the merge stays cheap. Short contexts therefore get a single split.
+    want_splits = pl.cdiv(2 * _GPU_NUM_SMS, batch * num_kv_heads)
+    max_splits = max(1, pages_per_sequence // (2 * ppcb))
+    pages_per_split = pl.cdiv(pages_per_sequence, min(want_splits, max_splits))
+  pages_per_split = _next_pow2(max(pages_per_split, ppcb))  # multiple of ppcb, pow2
+  num_splits = pl.cdiv(pages_per_sequence, pages_per_split)
+  padded_pages = num_splits * pages_per_split
+  page_table = jnp.pad(page_table, ((0, 0), (0, padded_pages - pages_per_sequence)))
+  page_table = page_table.reshape(batch, num_splits, pages_per_split)
+
+  block_h = max(block_sizes.min_block_h, _next_pow2(group))
+  q = q.reshape(batch, num_kv_heads, group, head_dim)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+  dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
+
+  kernel = functools.partial(
+    _paged_attention_gpu_kernel,
+    sm_scale=sm_scale,
+    pages_per_compute_block=ppcb,
+    dot_dtype=dot_dtype,
+  )
+  grid = (batch, num_kv_heads, num_splits)
+  out_shape = (
+    jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h, head_dim), jnp.float32),
+    jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h), jnp.float32),
+    jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h), jnp.float32),
+  )
+  pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0))
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+
+    compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+  o, m, denom = pl.pallas_call(
+    kernel,
+    grid=grid,
+    in_specs=[
+      pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),  # lengths [B, 1]
+      pl.BlockSpec((None, 2), lambda b, h, s: (h, 0)),  # scales [Hkv, 2]
+      pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),  # page table
+      pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+      pool_spec,  # k_pages
+      pool_spec,  # v_pages
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+      pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+      pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+    ],
+    out_shape=out_shape,
+    interpret=interpret,
+    compiler_params=compiler_params,
+    name="rlx_paged_attention_gpu",
+  )(lengths[:, None], scales, page_table, q, k_pages, v_pages)
+
+  # Split-K merge (log-sum-exp): every sequence has >= 1 token in split 0.
+  m_all = m.max(axis=2, keepdims=True)
+  weight = jnp.exp(m - m_all)  # [B, Hkv, S, block_h]; 0 for empty splits
+  denom_all = (denom * weight).sum(axis=2)
+  o = (o * weight[..., None]).sum(axis=2) / denom_all[..., None]
+  return o[:, :, :group].reshape(batch, num_heads, head_dim)
+
+
+# ------------------------------------------------------------------------------------------
+# Public wrapper: validation and dispatch
+# ------------------------------------------------------------------------------------------
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def validate_paged_attention_inputs(
+  q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, k_scale=None, v_scale=None
+):
+  """Checks shapes, dtypes and (when concrete) lengths; shared by kernels and reference.
+
+  Returns:
+    `(sm_scale, k_scale, v_scale)` with `sm_scale` a Python float and the scales
+    float32 arrays of shape `[Hkv]` (scalars broadcast; `None` means 1.0 for
+    bf16/f32 pages).
+
+  Raises:
+    ValueError naming the offending argument.
+  """
+  for name, x, rank in (
+    ("q", q, 3),
+    ("k_pages", k_pages, 4),
+    ("v_pages", v_pages, 4),
+    ("lengths", lengths, 1),
+    ("page_table", page_table, 2),
+  ):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise ValueError(f"`{name}` must be an array, got {type(x).__name__}.")
+    if x.ndim != rank:
+      raise ValueError(f"`{name}` must have rank {rank}, got shape {tuple(x.shape)}.")
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, total_pages, page_size, head_dim_k = k_pages.shape
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(
+      f"`v_pages` must have the shape of `k_pages` {tuple(k_pages.shape)}, got "
+      f"{tuple(v_pages.shape)}."
+    )
+  if head_dim_k != head_dim:
+    raise ValueError(
+      f"`k_pages` head dim (last axis) must equal q's head dim {head_dim}, got {head_dim_k}."
+    )
+  if num_heads % num_kv_heads:
+    raise ValueError(
+      f"Number of query heads H={num_heads} (q axis 1) must be a multiple of the number of "
+      f"KV heads Hkv={num_kv_heads} (k_pages axis 0)."
+    )
+  if jnp.dtype(q.dtype) not in Q_DTYPES:
+    raise ValueError(f"`q` must be bfloat16 or float32, got {q.dtype}.")
+  if jnp.dtype(k_pages.dtype) not in PAGE_DTYPES:
+    raise ValueError(f"`k_pages` dtype must be one of {PAGE_DTYPES}, got {k_pages.dtype}.")
+  if v_pages.dtype != k_pages.dtype:
+    raise ValueError(f"`v_pages` dtype {v_pages.dtype} must equal `k_pages` dtype {k_pages.dtype}.")
+  if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+    raise ValueError(
+      f"`lengths` must be int32 with shape ({batch},), got {lengths.dtype}{tuple(lengths.shape)}."
+    )
+  if page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+    raise ValueError(
+      f"`page_table` must be int32 [B={batch}, pages_per_sequence], got "
+      f"{page_table.dtype}{tuple(page_table.shape)}."
+    )
+  pages_per_sequence = page_table.shape[1]
+  if pages_per_sequence == 0 or page_size == 0 or total_pages == 0:
+    raise ValueError(
+      f"Empty page pool or table: k_pages {tuple(k_pages.shape)}, page_table "
+      f"{tuple(page_table.shape)}."
+    )
+  capacity = pages_per_sequence * page_size
+
+  if _is_concrete(lengths):
+    lv = np.asarray(lengths)
+    bad = np.nonzero((lv <= 0) | (lv > capacity))[0]
+    if bad.size:
+      raise ValueError(
+        f"`lengths` must satisfy 0 < length <= pages_per_sequence * page_size = {capacity}; "
+        f"lengths[{bad[0]}] = {lv[bad[0]]}."
+      )
+    if _is_concrete(page_table):
+      tv = np.asarray(page_table)
+      used = np.arange(pages_per_sequence)[None, :] < -(-lv[:, None] // page_size)
+      out_of_range = used & ((tv < 0) | (tv >= total_pages))
+      if out_of_range.any():
+        b, j = np.argwhere(out_of_range)[0]
+        raise ValueError(
+          f"`page_table[{b}, {j}]` = {tv[b, j]} is a used page but not in [0, {total_pages})."
+        )
+
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  elif isinstance(sm_scale, (int, float, np.floating, np.integer)):
+    sm_scale = float(sm_scale)
+  else:
+    raise ValueError(f"`sm_scale` must be a Python float or None, got {type(sm_scale).__name__}.")
+
+  def norm_scale(s, name):
+    if s is None:
+      if is_fp8(k_pages.dtype):
+        raise ValueError(
+          f"`{name}` is required for FP8 pages ({k_pages.dtype}): K = k_pages * k_scale."
+        )
+      return jnp.ones((num_kv_heads,), jnp.float32)
+    s = jnp.asarray(s)
+    if s.shape not in ((), (1,), (num_kv_heads,)):
+      raise ValueError(
+        f"`{name}` must be a scalar or have shape ({num_kv_heads},) (one per KV head), "
+        f"got shape {tuple(s.shape)}."
+      )
+    if not jnp.issubdtype(s.dtype, jnp.floating):
+      raise ValueError(f"`{name}` must be a float array, got {s.dtype}.")
+    return jnp.broadcast_to(s.astype(jnp.float32).reshape(-1), (num_kv_heads,))
+
+  return sm_scale, norm_scale(k_scale, "k_scale"), norm_scale(v_scale, "v_scale")
+
+
+def _sanitize_page_table(page_table, lengths, page_size, total_pages):
+  """Zeroes entries past each sequence's last used page and clamps the rest in range.
+
+  Unused entries may hold anything (the sampler leaves stale or -1 entries);
+  after this no kernel ever reads outside the pool.
+  """
+  used = jnp.arange(page_table.shape[1])[None, :] < pl.cdiv(lengths, page_size)[:, None]
+  return jnp.where(used, jnp.clip(page_table, 0, total_pages - 1), 0)
+
+
+def _resolve_impl(impl: str, interpret) -> str:
+  if impl not in IMPLS:
+    raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}.")
+  backend = jax.default_backend()
+  if impl == "auto":
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+  if impl == "pallas":
+    tpu_interpret = isinstance(interpret, pltpu.InterpretParams)
+    return "pallas_tpu" if backend == "tpu" or tpu_interpret else "pallas_gpu"
+  return impl
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret", "block_sizes"))
+def _paged_attention_jit(
+  q,
+  k_pages,
+  v_pages,
+  lengths,
+  page_table,
+  k_scale,
+  v_scale,
+  *,
+  sm_scale,
+  impl,
+  interpret,
+  block_sizes,
+):
+  if impl == "xla":
+    return _reference_math(
+      q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale
+    )
+  _, total_pages, page_size, _ = k_pages.shape
+  page_table = _sanitize_page_table(page_table, lengths, page_size, total_pages)
+  scales = jnp.stack([k_scale, v_scale], axis=1)  # [Hkv, 2]
+  if impl == "pallas_gpu":
+    out = _paged_attention_gpu(
+      q, k_pages, v_pages, lengths, page_table, scales, sm_scale=sm_scale,
+      block_sizes=block_sizes, interpret=interpret,
+    )  # fmt: skip
+  else:
+    out = _paged_attention_tpu.paged_attention_tpu(
+      q, k_pages, v_pages, lengths, page_table, scales, sm_scale=sm_scale,
+      pages_per_compute_block=block_sizes.pages_per_compute_block, interpret=interpret,
+    )  # fmt: skip
+  return out.astype(q.dtype)
+
+
+def paged_attention(
+  q: Float[Array, "B H D"],
+  k_pages: Float[Array, "Hkv P page D"],
+  v_pages: Float[Array, "Hkv P page D"],
+  lengths: Int[Array, " B"],
+  page_table: Int[Array, "B pages_per_sequence"],
+  *,
+  sm_scale: float | None = None,
+  k_scale: Float[Array, "..."] | None = None,
+  v_scale: Float[Array, "..."] | None = None,
+  impl: str = "auto",
+  interpret=False,
+  block_sizes: PagedAttentionBlockSizes = PagedAttentionBlockSizes(),
+) -> Float[Array, "B H D"]:
+  """Paged grouped-query decode attention with float32 online softmax.
+
+  For sequence b and query head h (KV head g = h // (H / Hkv)), with
+  t < lengths[b] and token t stored at `page_table[b, t // page]`, row `t % page`:
+
+    K[t] = k_pages[g, page_table[b, t // page], t % page] * k_scale[g]   (same for V)
+    out[b, h] = sum_t softmax_t(sm_scale * q[b, h] . K[t]) V[t]
+
+  Reference: Kwon et al., "Efficient Memory Management for LLM Serving with
+  PagedAttention" (arXiv:2309.06180); online softmax: Milakov & Gimelshein 2018,
+  FlashAttention (arXiv:2205.14135); split-K: Flash-Decoding.
+
+  Implementations (`impl`):
+    "auto": Pallas on GPU ("pallas_gpu") and TPU ("pallas_tpu"); on CPU the XLA
+      reference math ("xla").
+    "pallas": the Pallas kernel of the current backend; on CPU the GPU-style
+      kernel with `interpret=True`, the TPU kernel with
+      `interpret=pltpu.InterpretParams()`.
+    "pallas_gpu": Pallas Triton kernel (grid over batch x KV head x split-K
+      partitions, `pages_per_compute_block` pages gathered per loop step; the
+      split partial results are merged with a log-sum-exp in XLA). Runs on
+      CPU with `interpret=True`.
+    "pallas_tpu": Pallas Mosaic kernel (`PrefetchScalarGridSpec`: lengths and
+      page table are scalar-prefetched into SMEM and drive the BlockSpec index
+      maps, so each grid step DMAs `pages_per_compute_block` pages). Runs on
+      CPU with `interpret=pltpu.InterpretParams()`.
+    "xla": pure-jnp reference math (float32).
+  K/V positions >= lengths[b] (and pages past the last used one) are masked with
+  `where` before any dot, so garbage there, even NaN, never reaches the output.
+  Scales are traced arrays: changing their values never recompiles.
+
+  Args:
+    q: `[B, H, D]` bfloat16 or float32 queries (one decode token per sequence).
+    k_pages: `[Hkv, P, page_size, D]` key page pool; bfloat16, float32,
+      float8_e4m3fn or float8_e5m2.
+    v_pages: `[Hkv, P, page_size, D]` value page pool, same dtype as `k_pages`.
+    lengths: i32`[B]`, number of cached tokens per sequence, 0 < length <=
+      pages_per_sequence * page_size (checked when concrete).
+    page_table: i32`[B, pages_per_sequence]`, page indices into P; entries past a
+      sequence's last used page are ignored.
+    sm_scale: softmax scale (Python float); None means 1/sqrt(D).
+    k_scale: float32 scalar or `[Hkv]` dequantization scale of K (required for
+      FP8 pages; None means 1 otherwise).
+    v_scale: same for V.
+    impl: "auto" | "pallas" | "pallas_gpu" | "pallas_tpu" | "xla".
+    interpret: Pallas interpret mode (True, or `pltpu.InterpretParams()` for the
+      TPU kernel on CPU).
+    block_sizes: kernel tiling, see `PagedAttentionBlockSizes`.
+
+  Returns:
+    `[B, H, D]` attention output in q's dtype.
+  """
+  sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
+    q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
+  )
+  impl = _resolve_impl(impl, interpret)
+  if impl == "pallas_gpu" and jax.default_backend() != "gpu" and interpret is False:
+    raise ValueError(
+      "impl='pallas_gpu' off a GPU needs interpret=True (got interpret=False); use "
+      "impl='auto' or 'xla' for the reference path."
+    )
+  if impl == "pallas_tpu" and jax.default_backend() != "tpu" and interpret is False:
+    raise ValueError(
+      "impl='pallas_tpu' off a TPU needs interpret=pltpu.InterpretParams() (got interpret=False)."
+    )
+  return _paged_attention_jit(
+    q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale, impl=impl,
+    interpret=interpret, block_sizes=block_sizes,
+  )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _reference_math(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale):
+  """float32 paged attention in jnp; inputs validated, scales f32[Hkv]."""
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, total_pages, page_size, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  capacity = page_table.shape[1] * page_size
+  table = jnp.clip(page_table, 0, total_pages - 1)
+  valid = jnp.arange(capacity)[None, :] < lengths[:, None]  # [B, L]
+
+  def gather(pages, scale):
+    x = pages[:, table].astype(jnp.float32)  # [Hkv, B, pps, page, D]
+    x = x.reshape(num_kv_heads, batch, capacity, head_dim) * scale[:, None, None, None]
+    return jnp.where(valid[None, :, :, None], x, 0.0)
+
+  k = gather(k_pages, k_scale)
+  v = gather(v_pages, v_scale)
+  qf = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
+  hp = lax.Precision.HIGHEST
+  logits = jnp.einsum("bhgd,hbld->bhgl", qf, k, precision=hp) * sm_scale
+  logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bhgl,hbld->bhgd", probs, v, precision=hp)
+  return out.reshape(batch, num_heads, head_dim)
+
+
+def paged_attention_reference(
+  q: Float[Array, "B H D"],
+  k_pages: Float[Array, "Hkv P page D"],
+  v_pages: Float[Array, "Hkv P page D"],
+  lengths: Int[Array, " B"],
+  page_table: Int[Array, "B pages_per_sequence"],
+  *,
+  sm_scale: float | None = None,
+  k_scale: Float[Array, "..."] | None = None,
+  v_scale: Float[Array, "..."] | None = None,
+) -> Float[Array, "B H D"]:
+  """Pure-jnp float32 reference of `paged_attention` (same formula, same validator).
+
+  Gathers every sequence's pages into a dense `[Hkv, B, capacity, D]` float32
+  tensor, multiplies by the scales, zeroes positions >= length with `where`, and
+  applies a masked softmax. Not for production: it materializes the dense cache.
+
+  Args:
+    q: `[B, H, D]` queries.
+    k_pages: `[Hkv, P, page_size, D]`.
+    v_pages: `[Hkv, P, page_size, D]`.
+    lengths: i32`[B]`.
+    page_table: i32`[B, pages_per_sequence]`.
+    sm_scale: None means 1/sqrt(D).
+    k_scale: float32 scalar or `[Hkv]` (None: 1, not allowed for FP8 pages).
+    v_scale: same for V.
+
+  Returns:
+    float32 `[B, H, D]`.
+  """
+  sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
+    q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
+  )
+  return _reference_math(
+    q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale
+  )

@@ -1,0 +1,162 @@
+"""FP8 quantizers and the blockwise-scaled FP8 matmul (Pallas interpret mode vs reference)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from rlx.kernels_pallas import (
+  dequantize_fp8_blockwise,
+  fp8_blockwise_matmul,
+  fp8_blockwise_matmul_reference,
+  fp8_max,
+  quantize_fp8_blockwise,
+  quantize_fp8_per_token_group,
+  saturating_cast,
+)
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+INTERPRET = {"gpu": True, "tpu": pltpu.InterpretParams()}
+
+
+def test_fp8_max_values():
+  assert fp8_max(E4M3) == 448.0
+  assert fp8_max(E5M2) == 57344.0
+  with pytest.raises(ValueError, match="float8"):
+    fp8_max(jnp.bfloat16)
+
+
+def test_blockwise_scales_hand_computed():
+  # 3x3 matrix, 2x2 blocks: blocks are [[0:2,0:2],[0:2,2]],[[2,0:2],[2,2]] (partial).
+  w = jnp.asarray([[1.0, -4.0, 0.5], [2.0, 3.0, -8.0], [0.0, 0.0, 0.25]])
+  wq, scale = quantize_fp8_blockwise(w, block=(2, 2))
+  np.testing.assert_allclose(
+    np.asarray(scale), np.asarray([[4.0, 8.0], [1e-10, 0.25]]) / 448.0, rtol=1e-6
+  )
+  # The amax element of each block maps to exactly +-448.
+  assert float(wq[0, 1].astype(jnp.float32)) == -448.0
+  assert float(wq[1, 2].astype(jnp.float32)) == -448.0
+  assert float(wq[2, 2].astype(jnp.float32)) == 448.0
+  assert float(wq[2, 0].astype(jnp.float32)) == 0.0  # all-zero part stays zero, finite scale
+  np.testing.assert_allclose(dequantize_fp8_blockwise(wq, scale, (2, 2)), w, rtol=2**-4)
+
+
+def test_per_token_group_scales_hand_computed():
+  x = jnp.asarray([[1.0, -2.0, 3.0, 0.5, -6.0]])  # groups of 2: [1,-2],[3,.5],[-6]
+  xq, scale = quantize_fp8_per_token_group(x, group=2, dtype=E5M2)
+  np.testing.assert_allclose(np.asarray(scale), [[2 / 57344, 3 / 57344, 6 / 57344]], rtol=1e-6)
+  assert float(xq[0, 4].astype(jnp.float32)) == -57344.0
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_roundtrip_error_within_half_ulp(dtype):
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_t(df=3, size=(256, 384)), jnp.float32)  # heavy tails
+  wq, scale = quantize_fp8_blockwise(w, dtype=dtype)
+  assert wq.dtype == dtype and scale.shape == (2, 3) and scale.dtype == jnp.float32
+  err = np.abs(np.asarray(dequantize_fp8_blockwise(wq, scale) - w))
+  mantissa_bits = 3 if dtype == E4M3 else 2
+  min_normal_exp = -6 if dtype == E4M3 else -14
+  full = np.repeat(np.repeat(np.asarray(scale), 128, 0), 128, 1)
+  # Half a unit in the last place for normals, half the subnormal spacing below.
+  bound = 2.0 ** (-mantissa_bits - 1) * np.abs(np.asarray(w)) + full * 2.0 ** (
+    min_normal_exp - mantissa_bits - 1
+  )
+  assert (err <= bound * (1 + 1e-6)).all()
+
+
+def test_saturating_cast_clamps_and_keeps_nan():
+  x = jnp.asarray([1e9, -1e9, 3.0, jnp.nan])
+  y = np.asarray(saturating_cast(x, E4M3).astype(jnp.float32))
+  np.testing.assert_array_equal(y[:3], [448.0, -448.0, 3.0])
+  assert np.isnan(y[3])
+
+
+def _quantized(m, k, n, seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(k, n)), jnp.float32)
+  xq, xs = quantize_fp8_per_token_group(x)
+  wq, ws = quantize_fp8_blockwise(w)
+  return x, w, xq, xs, wq, ws
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize(("m", "k", "n"), [(16, 256, 128), (40, 300, 200)])
+def test_matmul_kernel_matches_reference_on_same_inputs(kernel, m, k, n):
+  _, _, xq, xs, wq, ws = _quantized(m, k, n)
+  want = fp8_blockwise_matmul_reference(xq, xs, wq, ws)
+  got = fp8_blockwise_matmul(
+    xq, xs, wq, ws, out_dtype=jnp.float32, impl="pallas", interpret=INTERPRET[kernel]
+  )
+  assert got.shape == (m, n) and got.dtype == jnp.float32
+  # Same products, same per-block float32 accumulation: only summation order differs.
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+def test_matmul_reference_hand_computed_block_scales():
+  # K = 256 -> two K blocks with different scales; each block's dot is scaled separately.
+  xq = jnp.ones((1, 256), E4M3)
+  wq = jnp.ones((256, 1), E4M3)
+  xs = jnp.asarray([[2.0, 3.0]])
+  ws = jnp.asarray([[0.5], [4.0]])
+  got = fp8_blockwise_matmul_reference(xq, xs, wq, ws)
+  assert float(got[0, 0]) == 128 * 2.0 * 0.5 + 128 * 3.0 * 4.0
+  got = fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, impl="pallas", interpret=True)
+  assert float(got[0, 0]) == 128 * 2.0 * 0.5 + 128 * 3.0 * 4.0
+
+
+def test_quantized_product_close_to_float32_product():
+  # Stated bound: relative Frobenius error <= 5% for e4m3 on Gaussian inputs
+  # (each operand carries ~2.5% RMS relative rounding error; measured ~3.7%).
+  x, w, xq, xs, wq, ws = _quantized(64, 512, 256, seed=1)
+  got = fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=jnp.float32)  # auto -> XLA on CPU
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  rel = np.linalg.norm(np.asarray(got) - exact) / np.linalg.norm(exact)
+  assert rel < 0.05
+
+
+def test_saturated_inputs_give_finite_outputs():
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(16, 256)) * 1e6, jnp.float32)  # far beyond 448 * scale
+  w = jnp.asarray(rng.normal(size=(256, 128)) * 1e6, jnp.float32)
+  xs, ws = jnp.ones((16, 2)), jnp.ones((2, 1))
+  xq, wq = saturating_cast(x, E4M3), saturating_cast(w, E4M3)
+  kw = dict(impl="pallas", interpret=True)
+  got_bf16 = fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=jnp.bfloat16, **kw)
+  assert np.isfinite(np.asarray(got_bf16.astype(jnp.float32))).all()
+  # (Nearly) every input saturated to +-448; the product is that of the clamped values.
+  assert (np.abs(np.asarray(xq.astype(jnp.float32))) == 448.0).mean() > 0.99
+  got = fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, **kw)
+  want = np.asarray(xq.astype(jnp.float32), np.float64) @ np.asarray(wq.astype(jnp.float32))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  ("args", "match"),
+  [
+    (lambda q: (q[0][:, :200], *q[1:]), "Contracting"),
+    (lambda q: (q[0], q[1][:, :1], *q[2:]), "x_scale"),
+    (lambda q: (*q[:3], q[3][:, :1]), "w_scale"),
+    (lambda q: (q[0].astype(jnp.bfloat16), *q[1:]), "x_q"),
+    (lambda q: (q[0][0], *q[1:]), "rank 2"),
+  ],
+)
+def test_matmul_invalid_inputs(args, match):
+  _, _, *q = _quantized(8, 256, 256)
+  with pytest.raises(ValueError, match=match):
+    fp8_blockwise_matmul(*args(q))
+  with pytest.raises(ValueError, match=match):
+    fp8_blockwise_matmul_reference(*args(q))
+
+
+def test_quantizer_invalid_inputs():
+  with pytest.raises(ValueError, match="rank 2"):
+    quantize_fp8_blockwise(jnp.ones((4,)))
+  with pytest.raises(ValueError, match="float8"):
+    quantize_fp8_per_token_group(jnp.ones((4, 4)), dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="block"):
+    quantize_fp8_blockwise(jnp.ones((4, 4)), block=(0, 128))
+  with pytest.raises(ValueError, match="impl"):
+    _, _, *q = _quantized(8, 128, 128)
+    fp8_blockwise_matmul(*q, impl="triton")

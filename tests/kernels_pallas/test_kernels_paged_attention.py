@@ -1,0 +1,256 @@
+"""Paged decode attention: both Pallas kernels (interpret mode on CPU) vs the reference.
+
+The sweep is a covering design rather than the full product: each of the 12
+cases is one (dtype, GQA ratio) pair, and page size / head dim / block sizes
+are assigned so that every pair of values of (dtype, GQA, page size, head dim)
+occurs (checked by `test_sweep_is_pairwise_covering`). Every case holds four
+sequences with lengths 1, exactly one page, one past a page boundary and full
+capacity, so every length class meets every other axis value. Each case runs
+on the GPU-style kernel (`interpret=True`) and on the TPU kernel
+(`interpret=pltpu.InterpretParams()`).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from rlx.kernels_pallas import (
+  PagedAttentionBlockSizes,
+  paged_attention,
+  paged_attention_reference,
+  saturating_cast,
+)
+from rlx.kernels_pallas._paged_attention import _paged_attention_jit
+
+DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+GQA = (1, 4, 8)
+PAGE_SIZES = (16, 32, 64)
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (
+  PagedAttentionBlockSizes(pages_per_compute_block=2),  # 2 pages per step, 1 split
+  PagedAttentionBlockSizes(pages_per_compute_block=1, pages_per_split=1),  # 3 splits
+  PagedAttentionBlockSizes(pages_per_compute_block=2, pages_per_split=2),  # 2 splits
+)
+# Head-dim choice per (dtype, gqa) so that all pairs with page size / gqa / dtype occur.
+_HEAD_DIM_INDEX = ((0, 1, 0), (1, 0, 1), (1, 0, 1), (1, 0, 0))
+CASES = [
+  (DTYPES[d], GQA[g], PAGE_SIZES[(d + g) % 3], HEAD_DIMS[_HEAD_DIM_INDEX[d][g]], (3 * d + g) % 3)
+  for d in range(4)
+  for g in range(3)
+]
+# Max abs error allowed vs the reference on the same (de)quantized page values.
+# bf16/FP8 cases use bf16 queries, and the kernels feed bf16 probabilities to the
+# P.V dot (Triton dots need equal operand dtypes): error ~ 2^-8 relative.
+TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float8_e4m3fn": 2e-2, "float8_e5m2": 2e-2}
+KERNELS = {"gpu": ("pallas_gpu", True), "tpu": ("pallas_tpu", pltpu.InterpretParams())}
+
+NUM_KV_HEADS = 2
+PAGES_PER_SEQUENCE = 3
+NUM_PAGES = 14  # 4 sequences x 3 pages + 2 spare pages
+
+
+def make_inputs(dtype, gqa, page_size, head_dim, seed=0):
+  """Four sequences: lengths 1, page, page + 1, capacity; pages randomly placed."""
+  rng = np.random.default_rng(seed)
+  dtype = jnp.dtype(dtype)
+  q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+  num_heads = NUM_KV_HEADS * gqa
+  q = jnp.asarray(rng.normal(size=(4, num_heads, head_dim)), q_dtype)
+  shape = (NUM_KV_HEADS, NUM_PAGES, page_size, head_dim)
+  k = rng.normal(size=shape).astype(np.float32)
+  v = rng.normal(size=shape).astype(np.float32)
+  if dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    k_scale = jnp.asarray(np.abs(k).max(axis=(1, 2, 3)) / 200.0, jnp.float32)  # per head
+    v_scale = jnp.asarray(np.abs(v).max() / 100.0, jnp.float32)  # per tensor
+    k_pages = saturating_cast(jnp.asarray(k) / k_scale[:, None, None, None], dtype)
+    v_pages = saturating_cast(jnp.asarray(v) / v_scale, dtype)
+  else:
+    k_scale = v_scale = None
+    k_pages, v_pages = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+  capacity = PAGES_PER_SEQUENCE * page_size
+  lengths = jnp.asarray([1, page_size, page_size + 1, capacity], jnp.int32)
+  page_table = jnp.asarray(rng.permutation(NUM_PAGES)[:12].reshape(4, 3), jnp.int32)
+  return q, k_pages, v_pages, lengths, page_table, k_scale, v_scale
+
+
+def dense_attention_numpy(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale):
+  """Independent float64 loop: gather each sequence's tokens, then softmax attention."""
+  q = np.asarray(q, np.float64)
+  kp = np.asarray(k_pages.astype(jnp.float32), np.float64)
+  vp = np.asarray(v_pages.astype(jnp.float32), np.float64)
+  num_kv_heads, _, page_size, head_dim = kp.shape
+  ks = np.broadcast_to(1.0 if k_scale is None else np.asarray(k_scale), (num_kv_heads,))
+  vs = np.broadcast_to(1.0 if v_scale is None else np.asarray(v_scale), (num_kv_heads,))
+  group = q.shape[1] // num_kv_heads
+  out = np.zeros_like(q)
+  for b in range(q.shape[0]):
+    for h in range(q.shape[1]):
+      g = h // group
+      rows = [(page_table[b, t // page_size], t % page_size) for t in range(int(lengths[b]))]
+      keys = np.stack([kp[g, p, r] for p, r in rows]) * ks[g]
+      vals = np.stack([vp[g, p, r] for p, r in rows]) * vs[g]
+      logits = keys @ q[b, h] / np.sqrt(head_dim)
+      w = np.exp(logits - logits.max())
+      out[b, h] = (w / w.sum()) @ vals
+  return out
+
+
+def test_sweep_is_pairwise_covering():
+  cols = list(zip(*CASES, strict=True))
+  for a, b in itertools.combinations(range(4), 2):
+    assert set(zip(cols[a], cols[b], strict=True)) == set(
+      itertools.product(set(cols[a]), set(cols[b]))
+    )
+  assert set(cols[0]) == set(DTYPES) and set(cols[1]) == set(GQA)
+  assert set(cols[2]) == set(PAGE_SIZES) and set(cols[3]) == set(HEAD_DIMS)
+  assert set(cols[4]) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_reference_matches_numpy_loop(dtype):
+  args = make_inputs(dtype, gqa=4, page_size=16, head_dim=64, seed=1)
+  q, kp, vp, lengths, table, ks, vs = args
+  got = paged_attention_reference(q, kp, vp, lengths, table, k_scale=ks, v_scale=vs)
+  want = dense_attention_numpy(q, kp, vp, np.asarray(lengths), np.asarray(table), ks, vs)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize(("dtype", "gqa", "page_size", "head_dim", "block_sizes"), CASES)
+def test_kernel_matches_reference(kernel, dtype, gqa, page_size, head_dim, block_sizes):
+  impl, interpret = KERNELS[kernel]
+  q, kp, vp, lengths, table, ks, vs = make_inputs(dtype, gqa, page_size, head_dim)
+  got = paged_attention(
+    q, kp, vp, lengths, table, k_scale=ks, v_scale=vs, impl=impl, interpret=interpret,
+    block_sizes=BLOCK_SIZES[block_sizes],
+  )  # fmt: skip
+  want = paged_attention_reference(q, kp, vp, lengths, table, k_scale=ks, v_scale=vs)
+  assert got.shape == q.shape and got.dtype == q.dtype
+  np.testing.assert_allclose(
+    np.asarray(got.astype(jnp.float32)), np.asarray(want), atol=TOLERANCE[dtype], rtol=0
+  )
+
+
+def _with_nan_garbage(args):
+  """Pool with NaN in every unused page and every position >= length; junk table entries."""
+  q, kp, vp, lengths, table, ks, vs = args
+  page_size = kp.shape[2]
+  used = np.zeros(kp.shape[1:3], bool)  # [P, page]
+  table_np = np.array(table)
+  for b, length in enumerate(np.asarray(lengths)):
+    for t in range(int(length)):
+      used[table_np[b, t // page_size], t % page_size] = True
+    first_unused = -(-int(length) // page_size)
+    table_np[b, first_unused:] = [-7, 10**6, 3][: 3 - first_unused]  # junk, never read
+  mask = jnp.asarray(used)[None, :, :, None]
+  nan = jnp.asarray(np.nan, kp.dtype)
+  return (
+    q, jnp.where(mask, kp, nan), jnp.where(mask, vp, nan), lengths,
+    jnp.asarray(table_np, jnp.int32), ks, vs,
+  )  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "xla"])
+def test_nan_garbage_in_unused_pages_never_reaches_output(impl):
+  interpret = {"pallas_gpu": True, "pallas_tpu": pltpu.InterpretParams(), "xla": False}[impl]
+  args = make_inputs("bfloat16", gqa=4, page_size=16, head_dim=64, seed=2)
+  dirty = _with_nan_garbage(args)
+  bs = PagedAttentionBlockSizes(pages_per_compute_block=2, pages_per_split=2)
+
+  def run(a):
+    q, kp, vp, lengths, table, ks, vs = a
+    return paged_attention(
+      q, kp, vp, lengths, table, k_scale=ks, v_scale=vs, impl=impl, interpret=interpret,
+      block_sizes=bs,
+    )  # fmt: skip
+
+  clean_out, dirty_out = run(args), run(dirty)
+  assert np.isfinite(np.asarray(dirty_out.astype(jnp.float32))).all()
+  np.testing.assert_array_equal(np.asarray(dirty_out), np.asarray(clean_out))
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_permuting_pool_and_page_table_leaves_output_unchanged(impl):
+  interpret = True if impl == "pallas_gpu" else pltpu.InterpretParams()
+  q, kp, vp, lengths, table, ks, vs = make_inputs("float8_e4m3fn", 8, 32, 64, seed=3)
+  perm = np.random.default_rng(4).permutation(NUM_PAGES)  # new slot i holds old page perm[i]
+  inverse = np.argsort(perm)
+  kp2, vp2 = kp[:, perm], vp[:, perm]
+  table2 = jnp.asarray(inverse[np.asarray(table)], jnp.int32)
+  kw = dict(k_scale=ks, v_scale=vs, impl=impl, interpret=interpret)
+  out1 = paged_attention(q, kp, vp, lengths, table, **kw)
+  out2 = paged_attention(q, kp2, vp2, lengths, table2, **kw)
+  np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+def test_changing_scale_values_does_not_recompile():
+  q, kp, vp, lengths, table, ks, vs = make_inputs("float8_e5m2", 1, 16, 64, seed=5)
+  kw = dict(impl="pallas_gpu", interpret=True)
+  paged_attention(q, kp, vp, lengths, table, k_scale=ks, v_scale=vs, **kw)
+  before = _paged_attention_jit._cache_size()
+  outs = [
+    paged_attention(q, kp, vp, lengths, table, k_scale=ks * f, v_scale=vs * f, **kw)
+    for f in (0.5, 2.0)
+  ]
+  assert _paged_attention_jit._cache_size() == before
+  # The scales really are used: V scaled by 2 doubles the output (K scale changes logits).
+  ref = paged_attention_reference(q, kp, vp, lengths, table, k_scale=ks * 2, v_scale=vs * 2)
+  np.testing.assert_allclose(np.asarray(outs[1], np.float32), np.asarray(ref), atol=4e-2)
+  assert not np.allclose(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+
+
+def test_auto_on_cpu_is_reference_and_works_under_jit():
+  q, kp, vp, lengths, table, _, _ = make_inputs("float32", 4, 16, 64, seed=6)
+  want = paged_attention_reference(q, kp, vp, lengths, table)
+  got = jax.jit(lambda *a: paged_attention(*a))(q, kp, vp, lengths, table)  # traced lengths
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+  got = paged_attention(q, kp, vp, lengths, table, sm_scale=0.5)
+  want = paged_attention_reference(q, kp, vp, lengths, table, sm_scale=0.5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+def _valid():
+  return make_inputs("float32", 4, 16, 64, seed=7)[:5]
+
+
+@pytest.mark.parametrize(
+  ("change", "match"),
+  [
+    (lambda a: {**a, "v_pages": a["v_pages"][:, :, :8]}, "v_pages"),
+    (lambda a: {**a, "q": a["q"][:, :7]}, "multiple of the number of KV heads"),
+    (lambda a: {**a, "q": a["q"][..., :32]}, "head dim"),
+    (lambda a: {**a, "lengths": jnp.asarray([1, 2, 3, 49], jnp.int32)}, "lengths\\[3\\] = 49"),
+    (lambda a: {**a, "lengths": jnp.asarray([0, 2, 3, 4], jnp.int32)}, "0 < length"),
+    (lambda a: {**a, "lengths": a["lengths"].astype(jnp.float32)}, "lengths"),
+    (lambda a: {**a, "lengths": a["lengths"][:3]}, "lengths"),
+    (lambda a: {**a, "page_table": a["page_table"][:3]}, "page_table"),
+    (lambda a: {**a, "page_table": a["page_table"].at[3, 2].set(99)}, "page_table\\[3, 2\\]"),
+    (lambda a: {**a, "k_pages": a["k_pages"].astype(jnp.float16)}, "k_pages"),
+    (lambda a: {**a, "q": a["q"][0]}, "rank 3"),
+    (lambda a: {**a, "k_scale": jnp.ones((3,))}, "k_scale"),
+    (lambda a: {**a, "impl": "cuda"}, "impl"),
+    (lambda a: {**a, "impl": "pallas_gpu"}, "interpret=True"),
+    (lambda a: {**a, "impl": "pallas_tpu"}, "InterpretParams"),
+    (
+      lambda a: {
+        **a,
+        "k_pages": a["k_pages"].astype(jnp.float8_e4m3fn),
+        "v_pages": a["v_pages"].astype(jnp.float8_e4m3fn),
+      },
+      "k_scale` is required",
+    ),
+  ],
+)
+def test_invalid_inputs_raise_clear_errors(change, match):
+  q, kp, vp, lengths, table = _valid()
+  base = dict(q=q, k_pages=kp, v_pages=vp, lengths=lengths, page_table=table)
+  kwargs = change(base)
+  with pytest.raises(ValueError, match=match):
+    paged_attention(**kwargs)
+  if "impl" not in kwargs:  # the reference shares the validator
+    with pytest.raises(ValueError, match=match):
+      paged_attention_reference(**kwargs)
