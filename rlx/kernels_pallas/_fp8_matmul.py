@@ -99,7 +99,7 @@ def _fp8_matmul_pallas(x_q, x_scale, w_q, w_scale, *, out_dtype, block_m, interp
   )
   compiler_params = None
   if not interpret and jax.default_backend() == "gpu":
-    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    from jax.experimental.pallas import triton as plgpu
 
     compiler_params = plgpu.CompilerParams(num_warps=8, num_stages=3)
   out = pl.pallas_call(
@@ -121,7 +121,7 @@ def _fp8_matmul_pallas(x_q, x_scale, w_q, w_scale, *, out_dtype, block_m, interp
 
 
 def _tpu_interpret_types():
-  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+  from jax.experimental.pallas import tpu as pltpu
 
   return (pltpu.InterpretParams,)
 

@@ -60,11 +60,13 @@ class PagedAttentionBlockSizes:
       iteration; TPU: that many page DMAs per grid step). Power of two on GPU.
     pages_per_split: GPU split-K. The pages of a sequence are cut into
       partitions of this many pages, each handled by its own program (grid
-      axis), and combined by a log-sum-exp merge. `None` picks it from the
-      sequence capacity so that long contexts get several splits (it "pays"
-      when batch * kv_heads alone cannot fill the GPU's SMs); short ones get one.
-      Rounded up to a multiple of `pages_per_compute_block`. TPU: unused (the
-      TPU kernel walks the pages of a sequence sequentially).
+      axis), and combined by a log-sum-exp merge in XLA. `None`: split only
+      where it pays, i.e. when batch * kv_heads programs cannot fill the GPU
+      (aim: >= 2 programs per SM of an H100/H200, 132 SMs) and each split still
+      gets >= 2 compute blocks of pages; so short contexts or big batches get one
+      split, long contexts at small batch several. Rounded up to a power of two
+      >= `pages_per_compute_block`. TPU: unused (the TPU kernel walks the pages
+      of a sequence sequentially).
     min_block_h: GPU only: query heads of one KV group are padded to at least
       this many rows (Triton `dot` needs M >= 16).
   """
@@ -206,7 +208,7 @@ def _paged_attention_gpu(
   pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0))
   compiler_params = None
   if not interpret:
-    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    from jax.experimental.pallas import triton as plgpu
 
     compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
   o, m, denom = pl.pallas_call(
@@ -231,10 +233,12 @@ def _paged_attention_gpu(
     name="rlx_paged_attention_gpu",
   )(lengths[:, None], scales, page_table, q, k_pages, v_pages)
 
-  # Split-K merge (log-sum-exp): every sequence has >= 1 token in split 0.
+  # Split-K merge (log-sum-exp). A sequence with length >= 1 has tokens in split 0;
+  # an idle slot (length 0, only possible under jit) has denominator 0 -> output 0.
   m_all = m.max(axis=2, keepdims=True)
   weight = jnp.exp(m - m_all)  # [B, Hkv, S, block_h]; 0 for empty splits
   denom_all = (denom * weight).sum(axis=2)
+  denom_all = jnp.where(denom_all > 0, denom_all, 1.0)
   o = (o * weight[..., None]).sum(axis=2) / denom_all[..., None]
   return o[:, :, :group].reshape(batch, num_heads, head_dim)
 
@@ -447,8 +451,9 @@ def paged_attention(
       `interpret=pltpu.InterpretParams()`.
     "pallas_gpu": Pallas Triton kernel (grid over batch x KV head x split-K
       partitions, `pages_per_compute_block` pages gathered per loop step; the
-      split partial results are merged with a log-sum-exp in XLA). Runs on
-      CPU with `interpret=True`.
+      split partial results are merged with a log-sum-exp in XLA). Needs a
+      power-of-two page_size and D (Triton block sizes). Runs on CPU with
+      `interpret=True`.
     "pallas_tpu": Pallas Mosaic kernel (`PrefetchScalarGridSpec`: lengths and
       page table are scalar-prefetched into SMEM and drive the BlockSpec index
       maps, so each grid step DMAs `pages_per_compute_block` pages). Runs on
@@ -456,6 +461,9 @@ def paged_attention(
     "xla": pure-jnp reference math (float32).
   K/V positions >= lengths[b] (and pages past the last used one) are masked with
   `where` before any dot, so garbage there, even NaN, never reaches the output.
+  Under `jit` lengths cannot be checked; a row with length 0 (an idle sampler
+  slot) then yields zeros, and used page-table entries outside [0, P) are
+  clamped into range (checked eagerly when concrete).
   Scales are traced arrays: changing their values never recompiles.
 
   Args:
@@ -525,6 +533,7 @@ def _reference_math(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, 
   logits = jnp.einsum("bhgd,hbld->bhgl", qf, k, precision=hp) * sm_scale
   logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
+  probs = jnp.where(lengths[:, None, None, None] > 0, probs, 0.0)  # idle slot -> 0, not NaN
   out = jnp.einsum("bhgl,hbld->bhgd", probs, v, precision=hp)
   return out.reshape(batch, num_heads, head_dim)
 

@@ -86,7 +86,9 @@ def _paged_attention_tpu_kernel(
   @pl.when(j == num_blocks - 1)
   def _finish():
     v_scale = scales_ref[2 * h + 1]
-    o_ref[...] = acc_ref[...] * (v_scale / l_ref[...])
+    denom = l_ref[...]
+    denom = jnp.where(denom > 0, denom, 1.0)  # idle slot (length 0): output 0
+    o_ref[...] = acc_ref[...] * (v_scale / denom)
 
 
 def paged_attention_tpu(
@@ -118,7 +120,7 @@ def paged_attention_tpu(
 
   def page_map(i):
     def index_map(b, h, j, lengths_ref, page_table_ref):
-      last_page = (lengths_ref[b] - 1) // page_size
+      last_page = jnp.maximum(lengths_ref[b] - 1, 0) // page_size  # length 0 -> page 0
       page = jnp.minimum(j * ppcb + i, last_page)
       return (h, page_table_ref[b * pages_per_sequence + page], 0, 0)
 

@@ -1,5 +1,6 @@
 """FP8 quantizers and the blockwise-scaled FP8 matmul (Pallas interpret mode vs reference)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -160,3 +161,11 @@ def test_quantizer_invalid_inputs():
   with pytest.raises(ValueError, match="impl"):
     _, _, *q = _quantized(8, 128, 128)
     fp8_blockwise_matmul(*q, impl="triton")
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+def test_hardware_matmul_matches_reference():
+  _, _, xq, xs, wq, ws = _quantized(256, 512, 384)
+  got = fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=jnp.float32)  # auto: Pallas
+  want = fp8_blockwise_matmul_reference(xq, xs, wq, ws)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-3)

@@ -173,6 +173,19 @@ def test_nan_garbage_in_unused_pages_never_reaches_output(impl):
   np.testing.assert_array_equal(np.asarray(dirty_out), np.asarray(clean_out))
 
 
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "xla"])
+def test_idle_slot_with_length_zero_under_jit_gives_zeros(impl):
+  # Eagerly, length 0 is rejected; under jit (sampler with idle slots) it must not NaN.
+  interpret = {"pallas_gpu": True, "pallas_tpu": pltpu.InterpretParams(), "xla": False}[impl]
+  q, kp, vp, lengths, table, _, _ = make_inputs("float32", 1, 16, 64, seed=8)
+  lengths = lengths.at[1].set(0)
+  run = jax.jit(lambda *a: paged_attention(*a, impl=impl, interpret=interpret))
+  out = np.asarray(run(q, kp, vp, lengths, table))
+  np.testing.assert_array_equal(out[1], 0.0)
+  want = paged_attention_reference(q, kp, vp, lengths.at[1].set(1), table)
+  np.testing.assert_allclose(out[[0, 2, 3]], np.asarray(want)[[0, 2, 3]], atol=2e-5)
+
+
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_permuting_pool_and_page_table_leaves_output_unchanged(impl):
   interpret = True if impl == "pallas_gpu" else pltpu.InterpretParams()
@@ -254,3 +267,14 @@ def test_invalid_inputs_raise_clear_errors(change, match):
   if "impl" not in kwargs:  # the reference shares the validator
     with pytest.raises(ValueError, match=match):
       paged_attention_reference(**kwargs)
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU or TPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_hardware_kernel_matches_reference(dtype):
+  q, kp, vp, lengths, table, ks, vs = make_inputs(dtype, 4, 16, 128)
+  got = paged_attention(q, kp, vp, lengths, table, k_scale=ks, v_scale=vs)  # auto: Pallas
+  want = paged_attention_reference(q, kp, vp, lengths, table, k_scale=ks, v_scale=vs)
+  np.testing.assert_allclose(
+    np.asarray(got.astype(jnp.float32)), np.asarray(want), atol=TOLERANCE[dtype], rtol=0
+  )
