@@ -1,0 +1,237 @@
+"""The sharded train step: sharding invariance, micro/mini-batching, losses, NaN skipping."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import train_testlib as tl
+
+from rlx import objectives, policy, train
+
+
+@functools.cache
+def _single_device_run():
+  state, history = tl.run_steps("single", 3)
+  return tl.host_params(state), history
+
+
+def _max_diff(a, b):
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["d2f2t2", "data8"])
+def test_sharded_step_equals_single_device(layout):
+  ref_params, ref_history = _single_device_run()
+  state, history = tl.run_steps(layout, 3)
+  assert _max_diff(tl.host_params(state), ref_params) < 1e-5
+  for got, want in zip(history, ref_history, strict=True):
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+  # The state stays on the mesh with the policy's partition rules.
+  m = tl.mesh(layout)
+  want = train.param_shardings(tl.model_config(), m)
+  for leaf, sharding in zip(jax.tree.leaves(state.params), jax.tree.leaves(want), strict=True):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+  assert int(state.step) == 3
+
+
+def test_params_actually_move_and_metrics_are_reported():
+  ref_params, history = _single_device_run()
+  init = tl.host_params(tl.init_state(tl.mesh("single"), tl.train_config()))
+  assert _max_diff(ref_params, init) > 1e-4
+  batch = tl.make_batch(0)
+  first = history[0]
+  assert first["tokens"] == batch["loss_mask"].sum()
+  for name in (
+    "loss",
+    "policy_loss",
+    "kl_loss",
+    "entropy_loss",
+    "entropy",
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac_dual",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "is_weight_mean",
+    "mismatch_k1",
+    "grad_norm",
+    "update_norm",
+    "param_norm",
+    "learning_rate",
+    "skipped",
+    "skipped_total",
+  ):
+    if name == "mismatch_k1":
+      assert name not in first  # no rollout_logp in this batch
+      continue
+    assert np.isfinite(first[name]), name
+  # On-policy first update: ratio == 1, nothing clipped, lr = warmup 0 at update 0.
+  np.testing.assert_allclose(first["ratio_mean"], 1.0, atol=1e-6)
+  assert first["clip_frac_low"] == first["clip_frac_high"] == 0.0
+  assert first["learning_rate"] == 0.0 and history[1]["learning_rate"] == pytest.approx(5e-3)
+  assert first["entropy"] > 0 and first["grad_norm"] > 0 and first["skipped"] == 0
+  assert [h["step"] for h in history] == [0, 1, 2]
+
+
+def test_micro_batched_equals_full_batch():
+  ref_params, ref_history = _single_device_run()
+  state, history = tl.run_steps("single", 3, micro_batches=4)
+  assert _max_diff(tl.host_params(state), ref_params) < 1e-6
+  for got, want in zip(history, ref_history, strict=True):
+    for name in ("loss", "policy_loss", "entropy", "grad_norm", "clip_frac_high", "approx_kl"):
+      np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_epochs_and_shuffled_mini_batches_equal_sequential_updates():
+  """2 epochs x 2 shuffled mini-batches == 4 one-update steps on those mini-batches.
+
+  Epoch e permutes the rows with fold_in(fold_in(rng, step), e); mini-batch k
+  of the permuted batch holds its rows k, k + 2, ...
+  """
+  m, cfg, step_fn, logprobs = tl.fns("single", ppo_epochs=2, mini_batches=2, shuffle=True)
+  state = tl.init_state(m, cfg)
+  batch = tl.prepare(tl.make_batch(0), m, state, tl.fns("single")[3])
+  host = {k: np.asarray(v) for k, v in batch.items()}
+  step_rng = jax.random.fold_in(state.rng, state.step)
+  state, metrics = step_fn(state, batch)
+  metrics = train.to_host(metrics)
+  # Four optimizer updates happened in the one step.
+  assert int(state.opt_state[1][0].count) == 4
+  assert int(state.step) == 1
+
+  _, _, one_update, _ = tl.fns("single")
+  ref = tl.init_state(m, cfg)
+  for epoch in range(2):
+    perm = np.asarray(jax.random.permutation(jax.random.fold_in(step_rng, epoch), tl.BATCH))
+    assert sorted(perm) != list(perm)  # really shuffled
+    for part in range(2):
+      rows = perm[part::2]
+      ref, _ = one_update(ref, {k: v[rows] for k, v in host.items()})
+  assert _max_diff(tl.host_params(state), tl.host_params(ref)) < 1e-6
+  # Later updates are off-policy: the ratio moved away from 1.
+  assert metrics["ratio_max"] > 1.0
+
+
+def _nan_batch(m, state, logprobs):
+  batch = tl.make_batch(1)
+  first_valid = int(np.argmax(batch["loss_mask"][0]))
+  out = tl.prepare(batch, m, state, logprobs)
+  old = np.array(out["old_logp"])
+  old[0, first_valid] = np.nan
+  out["old_logp"] = train.shard_batch({"old_logp": old}, m)["old_logp"]
+  return out
+
+
+def test_nan_batch_is_skipped_and_reported():
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state, _ = tl.run_steps("single", 1)
+  before = tl.host_params(state)
+  opt_before = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.opt_state))]
+  state, metrics = step_fn(state, _nan_batch(m, state, logprobs))
+  metrics = train.to_host(metrics)
+  assert metrics["skipped"] == 1 and metrics["skipped_total"] == 1
+  assert not np.isfinite(metrics["loss"])
+  assert metrics["update_norm"] == 0
+  for got, want in zip(tl.host_params(state), before, strict=True):
+    np.testing.assert_array_equal(got, want)
+  opt_after = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.opt_state))]
+  for got, want in zip(opt_after, opt_before, strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert int(state.step) == 2 and int(state.skipped) == 1
+  # The next finite batch trains normally.
+  state, metrics = step_fn(state, tl.prepare(tl.make_batch(2), m, state, logprobs))
+  metrics = train.to_host(metrics)
+  assert metrics["skipped"] == 0 and metrics["skipped_total"] == 1
+  assert np.isfinite(tl.host_params(state)[0]).all()
+  assert _max_diff(tl.host_params(state), before) > 0
+
+
+def test_nonfinite_raise_mode():
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  raising = train.TrainStep(step_fn.jitted, "raise")
+  state = tl.init_state(m, cfg)
+  before = tl.host_params(state)
+  with pytest.raises(train.NonFiniteError, match="non-finite") as info:
+    raising(state, _nan_batch(m, state, logprobs))
+  assert info.value.metrics["skipped"] == 1
+  for got, want in zip(tl.host_params(info.value.state), before, strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("loss", sorted(set(objectives.POLICY_LOSSES) - {"ppo"}))
+def test_every_policy_loss_runs_through_the_step(loss):
+  _, history = tl.run_steps("single", 1, loss=loss)
+  metrics = history[0]
+  assert metrics["skipped"] == 0
+  assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+
+def test_bapo_m2po_correction_kl_entropy_compose():
+  overrides = dict(
+    use_bapo=True,
+    use_m2po=True,
+    use_rollout_correction=True,
+    kl_coef=0.1,
+    kl_kind="k3+",
+    entropy_coef=0.01,
+    micro_batches=2,
+    agg="seq-mean-token-mean",
+  )
+  m, cfg, step_fn, _ = tl.fns("single", **overrides)
+  state = tl.init_state(m, cfg)
+  ref_params = policy.init_params(tl.model_config(), jax.random.PRNGKey(7))
+  ref_params = train.shard_params(ref_params, tl.model_config(), m)
+  logprobs = tl.fns("single")[3]
+  batch = tl.prepare(tl.make_batch(0), m, state, logprobs, rollout=True, ref_params=ref_params)
+  state, metrics = step_fn(state, batch)
+  metrics = train.to_host(metrics)
+  assert metrics["skipped"] == 0
+  assert metrics["kl_loss"] > 0  # a different reference policy
+  want = metrics["policy_loss"] + 0.1 * metrics["kl_loss"] - 0.01 * metrics["entropy_loss"]
+  np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
+  # On-policy (r = 1) the bounds cannot change P/(P+N): they stay at the start
+  # values if positive advantages carry at least half the mass, else go to the max.
+  bounds = (metrics["bapo_c_low"], metrics["bapo_c_high"])
+  want = (0.6, 1.2) if metrics["bapo_positive_share"] >= 0.5 else (0.9, 3.0)
+  np.testing.assert_allclose(bounds, want, atol=1e-6)
+  assert 0 <= metrics["m2po_masked_frac"] < 1
+  assert "rollout_correction/ess" in metrics and "mismatch_k1" not in metrics
+  assert metrics["is_weight_mean"] != 1.0
+
+
+def test_compute_logprobs_matches_policy_forward():
+  m, cfg, _, logprobs = tl.fns("data8")
+  state = tl.init_state(m, cfg)
+  batch = tl.make_batch(3)
+  got = np.asarray(
+    logprobs(state, train.shard_batch({k: batch[k] for k in ("tokens", "loss_mask")}, m))
+  )
+  params = policy.init_params(tl.model_config(), jax.random.PRNGKey(0))
+  want, _ = policy.token_logprobs(
+    params, tl.model_config(), jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"])
+  )
+  np.testing.assert_allclose(got, np.asarray(want), atol=1e-5)
+  assert np.all(got[batch["loss_mask"] == 0] == 0)
+
+
+def test_batch_validation_errors():
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  good = tl.prepare(tl.make_batch(0), m, state, logprobs)
+  with pytest.raises(ValueError, match="missing \\['old_logp'\\]"):
+    step_fn(state, {k: v for k, v in good.items() if k != "old_logp"})
+  with pytest.raises(ValueError, match="unknown \\['reward'\\]"):
+    step_fn(state, dict(good, reward=good["advantages"]))
+  with pytest.raises(ValueError, match="`advantages` must have shape"):
+    step_fn(state, dict(good, advantages=good["advantages"][:, None]))
+  with pytest.raises(ValueError, match="`ref_logp` is required"):
+    tl.fns("single", kl_coef=0.1)[2](state, good)
+  with pytest.raises(ValueError, match="divisible by mini_batches"):
+    tl.fns("single", mini_batches=3)[2](state, good)
+  with pytest.raises(ValueError, match="config.loss"):
+    train.make_train_step(tl.model_config(), tl.train_config(loss="trpo"), m)
+  with pytest.raises(ValueError, match="use_bapo"):
+    train.make_train_step(tl.model_config(), tl.train_config(loss="gspo", use_bapo=True), m)
