@@ -6,6 +6,49 @@ keyword-only, and nothing calls a model. Per-token arrays are `[B, T]`
 """
 
 # --- ratios, aggregation, policy losses (block A) ---
+from rlx.objectives._aggregate import (
+  AGG_MODES,
+  aggregate,
+  aggregate_scale,
+)
+from rlx.objectives._aspo import (
+  aspo_loss,
+)
+from rlx.objectives._cispo import (
+  cispo_loss,
+)
+from rlx.objectives._ctpo import (
+  CTPO_VARIANTS,
+  ctpo_clip_scale,
+  ctpo_loss,
+)
+from rlx.objectives._gspo import (
+  gspo_loss,
+)
+from rlx.objectives._metrics import (
+  PolicyLossMetrics,
+)
+from rlx.objectives._minpro import (
+  minpro_loss,
+)
+from rlx.objectives._ppo import (
+  ppo_clip_loss,
+)
+from rlx.objectives._ratios import (
+  cumulative_log_ratio,
+  min_prefix_log_ratio,
+  sequence_log_ratio,
+  token_log_ratio,
+)
+from rlx.objectives._registry import (
+  POLICY_LOSSES,
+  get_policy_loss,
+)
+from rlx.objectives._sapo import (
+  sapo_loss,
+)
+
+# isort: split
 
 # --- advantages, KL, rollout-mismatch correction, adaptive clipping (block B) ---
 from rlx.objectives._advantages import (

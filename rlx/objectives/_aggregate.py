@@ -1,0 +1,108 @@
+"""Reduction of a per-token loss matrix to a scalar (verl `agg_loss` conventions).
+
+Every mode is `numerator(values, mask) / denominator`, and the denominator can
+be replaced by `scale`. With gradient accumulation, compute
+`scale = aggregate_scale(full_mask, mode)` once for the whole batch, pass it to
+every micro-batch and SUM the micro-batch losses: the result (and its gradient)
+equals the full-batch loss, for every mode.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Shaped
+
+from rlx.objectives._checks import (
+  as_f32,
+  as_mask,
+  check_choice,
+  check_non_negative,
+  check_rank,
+  check_token_arrays,
+  where_mask,
+)
+
+AGG_MODES = (
+  "token-mean",
+  "seq-mean-token-sum",
+  "seq-mean-token-mean",
+  "seq-mean-token-sum-norm",
+)
+
+
+def _default_scale(valid: jax.Array, mode: str) -> jax.Array:
+  if mode == "token-mean":
+    return jnp.sum(valid).astype(jnp.float32)
+  if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    return jnp.sum(jnp.any(valid, axis=1)).astype(jnp.float32)
+  return jnp.asarray(valid.shape[1], jnp.float32)
+
+
+def aggregate_scale(mask: Shaped[Array, "B T"], mode: str) -> Float[Array, ""]:
+  """The default denominator that `aggregate` divides by for `mode`.
+
+  - token-mean: number of valid tokens `sum m`.
+  - seq-mean-token-sum, seq-mean-token-mean: number of sequences with at least
+    one valid token.
+  - seq-mean-token-sum-norm: the constant `T` (padded length of `mask`).
+
+  Args:
+    mask: 1/True on the tokens that count, with shape `[B, T]` (the FULL batch
+      when used for gradient accumulation).
+    mode: one of `AGG_MODES`.
+
+  Returns:
+    float32 scalar.
+  """
+  check_choice(mode, AGG_MODES, "mode")
+  check_rank(mask, 2, "mask")
+  return _default_scale(as_mask(mask), mode)
+
+
+def aggregate(
+  values: Float[Array, "B T"],
+  mask: Shaped[Array, "B T"],
+  mode: str,
+  *,
+  scale: Float[Array, ""] | float | None = None,
+) -> Float[Array, ""]:
+  """Aggregates a per-token matrix `L` into a scalar (verl `agg_loss`).
+
+  With `n_i = sum_t m_it` and `V = {i : n_i > 0}` (sequences without valid
+  tokens are excluded from every sequence mean):
+  - "token-mean":              `sum_it L m / sum_it m`
+  - "seq-mean-token-sum":      `sum_{i in V} (sum_t L m) / |V|`
+  - "seq-mean-token-mean":     `sum_{i in V} (sum_t L m / n_i) / |V|`
+  - "seq-mean-token-sum-norm": `sum_it L m / T` (Dr.GRPO, Liu et al. 2025,
+    https://arxiv.org/abs/2503.20783, with verl's constant `T` = padded length;
+    TRL additionally divides by the batch size: pass `scale = B * T` for that).
+
+  A zero denominator (no valid token at all) gives 0, never NaN. Masked values
+  are removed with `where`, so NaN/inf there never reaches the result or its
+  gradient.
+
+  Args:
+    values: per-token values `L`, with shape `[B, T]` (any float dtype;
+      computed in float32).
+    mask: 1/True on the tokens that count, with shape `[B, T]`.
+    mode: one of `AGG_MODES`.
+    scale: optional scalar replacing the denominator (`sum m`, `|V|` or `T`),
+      e.g. `aggregate_scale(full_batch_mask, mode)` for micro-batching. Must be
+      >= 0 when concrete.
+
+  Returns:
+    float32 scalar.
+  """
+  check_choice(mode, AGG_MODES, "mode")
+  check_token_arrays(values=values, mask=mask)
+  if scale is not None:
+    check_rank(scale, 0, "scale")
+    check_non_negative(scale, "scale")
+  valid = as_mask(mask)
+  v = where_mask(valid, as_f32(values))
+  if mode == "seq-mean-token-mean":
+    lengths = jnp.sum(valid, axis=1).astype(jnp.float32)
+    numerator = jnp.sum(jnp.sum(v, axis=1) / jnp.maximum(lengths, 1.0))
+  else:
+    numerator = jnp.sum(v)
+  denominator = _default_scale(valid, mode) if scale is None else as_f32(scale)
+  return numerator / jnp.where(denominator == 0, 1.0, denominator)

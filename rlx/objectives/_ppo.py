@@ -1,0 +1,84 @@
+"""PPO clipped surrogate, token level, with clip-higher and dual clip (verl vanilla loss)."""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Shaped
+
+from rlx.objectives._aggregate import aggregate
+from rlx.objectives._checks import check_greater, check_non_negative
+from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
+from rlx.objectives._policy_inputs import (
+  apply_dual_clip,
+  apply_is_weights,
+  clipped_surrogate,
+  prepare_policy_inputs,
+)
+from rlx.objectives._ratios import masked_log_ratio
+
+
+def ppo_clip_loss(
+  logp: Float[Array, "B T"],
+  old_logp: Float[Array, "B T"],
+  advantages: Float[Array, "B T"],
+  mask: Shaped[Array, "B T"],
+  *,
+  clip_low: float | Float[Array, ""] = 0.2,
+  clip_high: float | Float[Array, ""] = 0.2,
+  dual_clip: float | Float[Array, ""] | None = None,
+  is_weights: Float[Array, "B T"] | None = None,
+  agg: str = "token-mean",
+  agg_scale: Float[Array, ""] | float | None = None,
+) -> tuple[Float[Array, ""], PolicyLossMetrics]:
+  """PPO clipped surrogate loss with asymmetric clip range and optional dual clip.
+
+  With `delta = clamp(lp - olp, -20, 20)` and `r = exp(delta)`:
+    L_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+    L_t = min(L_t, -A c)            for A < 0, if `dual_clip` c is given
+    L_t = L_t * sg(is_weights)      if `is_weights` is given
+    loss = aggregate(L, mask, agg)
+  Schulman et al. 2017 (https://arxiv.org/abs/1707.06347); clip-higher from
+  DAPO (https://arxiv.org/abs/2503.14476: clip_low=0.2, clip_high=0.28); dual
+  clip from Ye et al. 2020 (https://arxiv.org/abs/1912.09729, verl default
+  c = 3). Reference: verl `compute_policy_loss_vanilla`.
+
+  Args:
+    logp: current-policy log-probs (differentiated), with shape `[B, T]`.
+    old_logp: old-policy log-probs (detached), with shape `[B, T]`.
+    advantages: per-token advantages (detached), with shape `[B, T]`.
+    mask: 1/True on the tokens that count, with shape `[B, T]`.
+    clip_low: lower clip `eps_low >= 0` (bound `1 - eps_low`).
+    clip_high: upper clip `eps_high >= 0` (bound `1 + eps_high`).
+    dual_clip: dual-clip constant `c > 1` for negative advantages, or None.
+    is_weights: rollout-correction weights (detached), with shape `[B, T]`.
+    agg: aggregation mode (see `aggregate`).
+    agg_scale: optional denominator for `aggregate` (global batch scale).
+
+  Returns:
+    `(loss, metrics)`: float32 scalar and `PolicyLossMetrics` (ratio = `r`).
+  """
+  check_non_negative(clip_low, "clip_low")
+  check_non_negative(clip_high, "clip_high")
+  check_greater(dual_clip, 1.0, "dual_clip")
+  x = prepare_policy_inputs(
+    logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
+  )
+  adv = x.advantages
+  log_ratio = masked_log_ratio(x.logp, x.old_logp, x.valid)
+  ratio = jnp.exp(log_ratio)
+  low, high = 1.0 - clip_low, 1.0 + clip_high
+  per_token = clipped_surrogate(ratio, jnp.clip(ratio, low, high), adv)
+  clipped_dual = None
+  if dual_clip is not None:
+    per_token = apply_dual_clip(per_token, adv, dual_clip)
+    clipped_dual = (adv < 0) & (ratio > dual_clip)
+  per_token = apply_is_weights(per_token, x.is_weights)
+  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
+  metrics = policy_loss_metrics(
+    x.valid,
+    log_ratio=log_ratio,
+    ratio=ratio,
+    clipped_low=(adv < 0) & (ratio < low),
+    clipped_high=(adv > 0) & (ratio > high),
+    clipped_dual=clipped_dual,
+    is_weights=x.is_weights,
+  )
+  return loss, metrics
