@@ -24,12 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
 from rlx.kernels_pallas._fp8_quant import is_fp8
 
 BLOCK = 128  # quantization block along K (and along N for the weight scales)
-IMPLS = ("auto", "pallas", "xla")
+IMPLS = ("auto", "pallas", "pallas_gpu", "pallas_tpu", "xla")
 
 
 def _fp8_matmul_kernel(
@@ -73,7 +75,7 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _fp8_matmul_pallas(x_q, x_scale, w_q, w_scale, *, out_dtype, block_m, interpret):
+def _fp8_matmul_pallas(x_q, x_scale, w_q, w_scale, *, out_dtype, block_m, tpu, interpret):
   m, k = x_q.shape
   n = w_q.shape[1]
   nk = -(-k // BLOCK)
@@ -87,20 +89,18 @@ def _fp8_matmul_pallas(x_q, x_scale, w_q, w_scale, *, out_dtype, block_m, interp
   x_scale = jnp.pad(x_scale.astype(jnp.float32), ((0, mp - m), (0, nk_padded - nk)))
   w_scale_cols = jnp.repeat(w_scale.astype(jnp.float32), BLOCK, axis=1)  # [nk, Np]
   w_scale_cols = jnp.pad(w_scale_cols, ((0, nk_padded - nk), (0, 0)))
-  on_tpu = jax.default_backend() == "tpu" or isinstance(interpret, _tpu_interpret_types())
   # Triton supports FP8 x FP8 dots on Hopper when both operands share the format;
   # TPU v5e/v6e have no FP8 MXU path, so the TPU kernel upcasts to bf16 (exact).
-  dot_dtype = x_q.dtype if (x_q.dtype == w_q.dtype and not on_tpu) else jnp.bfloat16
+  dot_dtype = x_q.dtype if (x_q.dtype == w_q.dtype and not tpu) else jnp.bfloat16
   kernel = functools.partial(
     _fp8_matmul_kernel,
     num_k_blocks=nk,
     dot_dtype=dot_dtype,
-    select_scales_by_mask=on_tpu,
+    select_scales_by_mask=tpu,
   )
-  compiler_params = None
-  if not interpret and jax.default_backend() == "gpu":
-    from jax.experimental.pallas import triton as plgpu
-
+  if tpu:
+    compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+  else:  # explicit Triton params: with None, jax 0.10 may pick the Mosaic GPU backend
     compiler_params = plgpu.CompilerParams(num_warps=8, num_stages=3)
   out = pl.pallas_call(
     kernel,
@@ -118,12 +118,6 @@ def _fp8_matmul_pallas(x_q, x_scale, w_q, w_scale, *, out_dtype, block_m, interp
     name="rlx_fp8_blockwise_matmul",
   )(x_q, x_scale, w_q, w_scale_cols)
   return out[:m, :n]
-
-
-def _tpu_interpret_types():
-  from jax.experimental.pallas import tpu as pltpu
-
-  return (pltpu.InterpretParams,)
 
 
 def validate_fp8_matmul_inputs(x_q, x_scale, w_q, w_scale):
@@ -158,8 +152,9 @@ def _fp8_matmul_jit(x_q, x_scale, w_q, w_scale, *, out_dtype, impl, interpret, b
   if impl == "xla":
     return _reference_math(x_q, x_scale, w_q, w_scale).astype(out_dtype)
   return _fp8_matmul_pallas(
-    x_q, x_scale, w_q, w_scale, out_dtype=out_dtype, block_m=block_m, interpret=interpret
-  )
+    x_q, x_scale, w_q, w_scale, out_dtype=out_dtype, block_m=block_m,
+    tpu=impl == "pallas_tpu", interpret=interpret,
+  )  # fmt: skip
 
 
 def fp8_blockwise_matmul(
@@ -193,9 +188,10 @@ def fp8_blockwise_matmul(
     w_q: `[K, N]` FP8 weights.
     w_scale: float32 `[ceil(K/128), ceil(N/128)]`.
     out_dtype: output dtype (default bfloat16).
-    impl: "auto" | "pallas" | "xla".
-    interpret: Pallas interpret mode (True, or `pltpu.InterpretParams()` to run
-      the TPU variant on CPU).
+    impl: "auto" | "pallas" (the kernel of the current backend; on CPU chosen by
+      `interpret`) | "pallas_gpu" | "pallas_tpu" | "xla" (reference math).
+    interpret: Pallas interpret mode (True runs the GPU kernel on CPU,
+      `pltpu.InterpretParams()` the TPU variant).
     block_m: rows per output tile (power of two >= 16; shrunk for small M).
 
   Returns:
@@ -206,10 +202,17 @@ def fp8_blockwise_matmul(
     raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}.")
   if block_m < 16 or block_m & (block_m - 1):
     raise ValueError(f"`block_m` must be a power of two >= 16, got {block_m}.")
+  backend = jax.default_backend()
   if impl == "auto":
-    impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
-  if impl == "pallas" and jax.default_backend() not in ("gpu", "tpu") and interpret is False:
-    raise ValueError("impl='pallas' off GPU/TPU needs interpret=True (or InterpretParams()).")
+    impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+  elif impl == "pallas":
+    tpu = backend == "tpu" or isinstance(interpret, pltpu.InterpretParams)
+    impl = "pallas_tpu" if tpu else "pallas_gpu"
+  if impl != "xla" and backend not in ("gpu", "tpu") and interpret is False:
+    raise ValueError(
+      f"impl={impl!r} off GPU/TPU needs interpret=True (GPU kernel) or "
+      "interpret=pltpu.InterpretParams() (TPU kernel)."
+    )
   return _fp8_matmul_jit(
     x_q, x_scale, w_q, w_scale, out_dtype=jnp.dtype(out_dtype), impl=impl, interpret=interpret,
     block_m=block_m,

@@ -1,0 +1,96 @@
+"""The hardware paths lower on CPU: Pallas Triton (GPU) and Mosaic (TPU) kernels -> MLIR.
+
+`jax.export` can lower for a platform that is not present. This runs the Pallas
+Triton lowering (to Triton IR) and the Pallas Mosaic lowering (to Mosaic MLIR)
+of the real, non-interpret kernels, catching unsupported ops, non-power-of-two
+Triton blocks, mixed-dtype dots and Mosaic block-shape errors without a GPU or
+TPU. It does not run the backend compilers (PTX / libtpu), so it is a necessary,
+not a sufficient, check; experiments/check_kernels.py is the hardware check.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from rlx.kernels_pallas import PagedAttentionBlockSizes
+from rlx.kernels_pallas._fp8_matmul import _fp8_matmul_jit
+from rlx.kernels_pallas._paged_attention import _paged_attention_jit
+
+_CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+_IMPL = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+
+
+@pytest.fixture
+def platform_ready(request):
+  platform = request.param
+  if platform == "tpu":
+    # Mosaic lowering asks for the TPU generation; on CPU, declare a v6e. Private
+    # API: skip rather than fail if a future jax moves it.
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not hasattr(tpu_info, "registry") or not hasattr(tpu_info, "get_tpu_info_for_chip"):
+      pytest.skip("tpu_info registry not available in this jax")
+    kind = jax.devices()[0].device_kind
+    old = tpu_info.registry.get(kind)
+    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(
+      tpu_info.ChipVersion.TPU_V6E, 1
+    )
+    yield platform
+    if old is None:
+      del tpu_info.registry[kind]
+    else:
+      tpu_info.registry[kind] = old
+  else:
+    yield platform
+
+
+def _export(fn, platform, *specs):
+  checks = [export.DisabledSafetyCheck.custom_call(_CUSTOM_CALL[platform])]
+  exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*specs)
+  assert _CUSTOM_CALL[platform] in exported.mlir_module()
+
+
+@pytest.mark.parametrize("platform_ready", ["cuda", "tpu"], indirect=True)
+@pytest.mark.parametrize(
+  ("page_dtype", "gqa", "page_size", "head_dim"),
+  [("bfloat16", 4, 64, 128), ("float8_e4m3fn", 1, 16, 64), ("float32", 8, 32, 128)],
+)
+def test_paged_attention_lowers(platform_ready, page_dtype, gqa, page_size, head_dim):
+  platform = platform_ready
+  batch, num_kv_heads, num_pages, pages_per_sequence = 4, 2, 40, 8
+  q_dtype = jnp.float32 if page_dtype == "float32" else jnp.bfloat16
+  q = jax.ShapeDtypeStruct((batch, num_kv_heads * gqa, head_dim), q_dtype)
+  pages = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), page_dtype)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  table = jax.ShapeDtypeStruct((batch, pages_per_sequence), jnp.int32)
+  scale = jax.ShapeDtypeStruct((num_kv_heads,), jnp.float32)
+
+  def fn(q, k, v, lengths, table, k_scale, v_scale):
+    return _paged_attention_jit(
+      q, k, v, lengths, table, k_scale, v_scale, sm_scale=head_dim**-0.5,
+      impl=_IMPL[platform], interpret=False,
+      block_sizes=PagedAttentionBlockSizes(pages_per_compute_block=2, pages_per_split=4),
+    )  # fmt: skip
+
+  _export(fn, platform, q, pages, pages, lengths, table, scale, scale)
+
+
+@pytest.mark.parametrize("platform_ready", ["cuda", "tpu"], indirect=True)
+@pytest.mark.parametrize(("m", "k", "n"), [(256, 512, 384), (100, 300, 200)])
+def test_fp8_matmul_lowers(platform_ready, m, k, n):
+  platform = platform_ready
+  kb, nb = -(-k // 128), -(-n // 128)
+  specs = (
+    jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+    jax.ShapeDtypeStruct((m, kb), jnp.float32),
+    jax.ShapeDtypeStruct((k, n), jnp.float8_e4m3fn),
+    jax.ShapeDtypeStruct((kb, nb), jnp.float32),
+  )
+
+  def fn(xq, xs, wq, ws):
+    return _fp8_matmul_jit(
+      xq, xs, wq, ws, out_dtype=jnp.dtype(jnp.bfloat16), impl=_IMPL[platform], interpret=False,
+      block_m=128,
+    )  # fmt: skip
+
+  _export(fn, platform, *specs)
