@@ -49,9 +49,9 @@ flags.DEFINE_integer("num_kv_heads", 8, "KV heads (Llama-3-8B / Qwen3-8B: 8).")
 flags.DEFINE_integer("gqa", 4, "Query heads per KV head.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_integer("page_size", 64, "Tokens per page.")
-flags.DEFINE_integer("pages_per_compute_block", 4, "Pages per kernel step.")
+flags.DEFINE_integer("pages_per_compute_block", 0, "Pages per kernel step (0: kernel default).")
 flags.DEFINE_list("matmul_shapes", ["1024x4096x4096", "4096x4096x4096", "8192x8192x8192"], "MxKxN")
-flags.DEFINE_integer("iters", 20, "Timed iterations (median reported).")
+flags.DEFINE_integer("iters", 20, "Calls per timed run (best of 3 runs reported).")
 flags.DEFINE_float("max_kv_gib", 24.0, "Skip paged-attention cases whose KV pool exceeds this.")
 
 
@@ -67,19 +67,25 @@ class Row:
   note: str = ""
 
 
-def _timeit(fn, *args, iters: int) -> float:
-  """Median wall seconds of `fn(*args)` (jitted; compiled and warmed up first)."""
+def _timeit(fn, *args, iters: int, repeats: int = 3) -> float:
+  """Seconds per call of jitted `fn(*args)`: best of `repeats` runs of `iters` calls.
+
+  Calls within a run are dispatched back to back and only the last is waited
+  for, so host dispatch overlaps device work (small, launch-bound cases still
+  include launch gaps).
+  """
   import jax
 
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  best = float("inf")
+  for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  times.sort()
-  return times[len(times) // 2]
+    out = None
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    best = min(best, (time.perf_counter() - t0) / iters)
+  return best
 
 
 def measure_copy_bandwidth(num_bytes: int, iters: int) -> float:
@@ -111,7 +117,7 @@ def check_paged_attention(cfg, copy_bw: float, backend_impls, interpret_for) -> 
 
   rows = []
   hkv, group, d, page = cfg["num_kv_heads"], cfg["gqa"], cfg["head_dim"], cfg["page_size"]
-  bs = kp.PagedAttentionBlockSizes(pages_per_compute_block=cfg["pages_per_compute_block"])
+  bs = kp.PagedAttentionBlockSizes(pages_per_compute_block=cfg["pages_per_compute_block"] or None)
   for kv_dtype in cfg["kv_dtypes"]:
     dtype = jnp.dtype(kv_dtype)
     for batch in cfg["batch_sizes"]:

@@ -47,6 +47,9 @@ PAGE_DTYPES = (
 Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Streaming multiprocessors of an H100/H200 SXM; only used by the split-K heuristic.
 _GPU_NUM_SMS = 132
+# Default tokens per online-softmax step when `pages_per_compute_block` is None.
+_GPU_TOKENS_PER_BLOCK = 128
+_TPU_TOKENS_PER_BLOCK = 512
 IMPLS = ("auto", "pallas", "pallas_gpu", "pallas_tpu", "xla")
 
 
@@ -58,6 +61,8 @@ class PagedAttentionBlockSizes:
     pages_per_compute_block: pages loaded and processed per online-softmax step
       (GPU: one gathered `[pages_per_compute_block * page_size, D]` tile per loop
       iteration; TPU: that many page DMAs per grid step). Power of two on GPU.
+      `None`: GPU 128 tokens per step (`max(1, 128 // page_size)`), TPU 512
+      tokens per step; untuned defaults (no hardware run yet).
     pages_per_split: GPU split-K. The pages of a sequence are cut into
       partitions of this many pages, each handled by its own program (grid
       axis), and combined by a log-sum-exp merge in XLA. `None`: split only
@@ -71,7 +76,7 @@ class PagedAttentionBlockSizes:
       this many rows (Triton `dot` needs M >= 16).
   """
 
-  pages_per_compute_block: int = 4
+  pages_per_compute_block: int | None = None
   pages_per_split: int | None = None
   min_block_h: int = 16
 
@@ -167,6 +172,8 @@ def _paged_attention_gpu(
   pages_per_sequence = page_table.shape[1]
   group = num_heads // num_kv_heads
   ppcb = block_sizes.pages_per_compute_block
+  if ppcb is None:
+    ppcb = max(1, _GPU_TOKENS_PER_BLOCK // page_size)
   if ppcb <= 0 or ppcb & (ppcb - 1):
     raise ValueError(f"pages_per_compute_block must be a power of two, got {ppcb}.")
   for name, value in (("page_size", page_size), ("head_dim", head_dim)):
@@ -210,7 +217,8 @@ def _paged_attention_gpu(
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
 
-    compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    num_warps = 4 if ppcb * page_size <= 128 else 8
+    compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
   o, m, denom = pl.pallas_call(
     kernel,
     grid=grid,
@@ -412,7 +420,9 @@ def _paged_attention_jit(
   else:
     out = _paged_attention_tpu.paged_attention_tpu(
       q, k_pages, v_pages, lengths, page_table, scales, sm_scale=sm_scale,
-      pages_per_compute_block=block_sizes.pages_per_compute_block, interpret=interpret,
+      pages_per_compute_block=block_sizes.pages_per_compute_block
+      or max(1, _TPU_TOKENS_PER_BLOCK // page_size),
+      interpret=interpret,
     )  # fmt: skip
   return out.astype(q.dtype)
 
