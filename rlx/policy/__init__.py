@@ -1,0 +1,70 @@
+"""rlx.policy: the Qwen2 / Qwen3 / Llama policy model, HF checkpoints, token log-probs.
+
+Contract (see each function's docstring for shapes):
+
+  config, params = load_hf_checkpoint(path)            # or init_params(config, rng)
+  logits = forward(params, config, tokens, positions=None, *, segment_ids=None,
+                   attention_fn=None, return_hidden=False)       # f32[B, S, V]
+  logp, entropy = token_logprobs(params, config, tokens, mask, *, positions=None,
+                                 segment_ids=None, temperature=1.0, chunk_size=128)
+  specs = partition_rules(config, mesh)                 # PartitionSpec per param
+  save_hf_checkpoint(path, config, params)
+
+`config` is a frozen, hashable `ModelConfig`: pass it as a static jit argument.
+Parameters are a plain nested dict with the decoder layers stacked on a
+leading `[L]` axis (tree in `rlx.policy._model`; `param_shapes(config)`).
+
+Decode-ready attention: the model is pure functions over that dict, and one
+decoder block is `layer_qkv` (norm, projections, q/k norm, RoPE) ->
+attention -> `layer_finish` (output projection, residual, MLP). A paged-KV
+sampler runs the same weights by calling `embed`, `get_layer`, `layer_qkv`,
+its own attention kernel, `layer_finish`, `final_norm` and
+`logits_from_hidden`; or `forward(..., attention_fn=f)` calls
+`f(layer_index, q, k, v, *, positions, segment_ids) -> out` inside its layer scan.
+"""
+
+from rlx.policy._checkpoint import (
+  DEFAULT_MAX_SHARD_BYTES,
+  hf_tensor_shapes,
+  load_hf_checkpoint,
+  save_hf_checkpoint,
+)
+from rlx.policy._config import (
+  FAMILIES,
+  ModelConfig,
+  RopeScaling,
+)
+from rlx.policy._logprobs import (
+  DEFAULT_CHUNK_SIZE,
+  logprobs_from_logits,
+  token_logprobs,
+)
+from rlx.policy._model import (
+  AttentionFn,
+  Params,
+  apply_rope,
+  check_params,
+  default_attention_fn,
+  dense_causal_attention,
+  embed,
+  final_norm,
+  forward,
+  get_layer,
+  init_params,
+  layer_finish,
+  layer_qkv,
+  lm_head_kernel,
+  logits_from_hidden,
+  param_shapes,
+  positions_from_segments,
+  rms_norm,
+  rope_inv_freq,
+)
+from rlx.policy._sharding import (
+  param_shardings,
+  partition_rules,
+)
+from rlx.policy._tokenizer import (
+  CharTokenizer,
+  Tokenizer,
+)

@@ -1,0 +1,164 @@
+"""Per-token log-probabilities and entropies without materialising [B, S, V] logits.
+
+The LM head is applied to sequence chunks of the final hidden states inside a
+`lax.scan`; each chunk's float32 logits live only inside one scan step, and
+the step is wrapped in `jax.checkpoint` so the backward pass recomputes them
+chunk by chunk instead of storing them. Peak logit memory is therefore
+`B * chunk_size * V * 4` bytes instead of `B * S * V * 4` (measured by
+experiments/bench_logprobs.py).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from rlx.policy._config import ModelConfig
+from rlx.policy._model import Params, check_tokens, forward, lm_head_kernel
+
+DEFAULT_CHUNK_SIZE = 128
+
+
+def _check_temperature(temperature: Any) -> None:
+  if isinstance(temperature, int | float) and not temperature > 0:
+    raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+
+
+def _check_mask(mask: Any, tokens: Any) -> None:
+  if np.shape(mask) != np.shape(tokens):
+    raise ValueError(
+      f"`mask` must have the shape of `tokens` {np.shape(tokens)}, got {np.shape(mask)}."
+    )
+
+
+def _token_stats(
+  logits: Float[Array, "... V"], targets: Int[Array, "..."]
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+  """(log softmax(logits)[target], entropy of softmax(logits)), float32."""
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  probs = jnp.exp(logits - lse[..., None])
+  entropy = lse - jnp.sum(probs * logits, axis=-1)
+  return target_logit - lse, entropy
+
+
+def _shift_and_mask(
+  logp: Float[Array, "B Sm1"], entropy: Float[Array, "B Sm1"], mask: Array
+) -> tuple[Float[Array, "B S"], Float[Array, "B S"]]:
+  b = logp.shape[0]
+  zeros = jnp.zeros((b, 1), jnp.float32)
+  logp = jnp.concatenate([zeros, logp], axis=1)
+  entropy = jnp.concatenate([zeros, entropy], axis=1)
+  valid = jnp.asarray(mask) != 0
+  valid = valid.at[:, 0].set(False)
+  return jnp.where(valid, logp, 0.0), jnp.where(valid, entropy, 0.0)
+
+
+def logprobs_from_logits(
+  logits: Float[Array, "B S V"],
+  tokens: Int[Array, "B S"],
+  mask: Array,
+  *,
+  temperature: float | Float[Array, ""] = 1.0,
+) -> tuple[Float[Array, "B S"], Float[Array, "B S"]]:
+  """Naive per-token log-probs/entropies from full logits (the reference for `token_logprobs`).
+
+  `logp[:, s] = log softmax(logits[:, s-1] / T)[tokens[:, s]]`,
+  `entropy[:, s] = -sum_v p_v log p_v` of that same distribution, for s >= 1;
+  both 0 at s = 0 and wherever `mask == 0`. Float32 math.
+
+  Args:
+    logits: [B, S, V] logits (position s predicts token s + 1).
+    tokens: i32[B, S] token ids.
+    mask: [B, S], nonzero where the value is wanted.
+    temperature: softmax temperature T > 0.
+
+  Returns:
+    (logp f32[B, S], entropy f32[B, S]).
+  """
+  if np.ndim(logits) != 3 or np.shape(logits)[:2] != np.shape(tokens):
+    raise ValueError(
+      f"`logits` must have shape [B, S, V] with [B, S] = tokens.shape {np.shape(tokens)}, "
+      f"got {np.shape(logits)}."
+    )
+  check_tokens(tokens, np.shape(logits)[-1])
+  _check_mask(mask, tokens)
+  _check_temperature(temperature)
+  logits = logits.astype(jnp.float32) / temperature
+  logp, entropy = _token_stats(logits[:, :-1], jnp.asarray(tokens, jnp.int32)[:, 1:])
+  return _shift_and_mask(logp, entropy, mask)
+
+
+def token_logprobs(
+  params: Params,
+  config: ModelConfig,
+  tokens: Int[Array, "B S"],
+  mask: Array,
+  *,
+  positions: Int[Array, "B S"] | None = None,
+  segment_ids: Int[Array, "B S"] | None = None,
+  temperature: float | Float[Array, ""] = 1.0,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Float[Array, "B S"], Float[Array, "B S"]]:
+  """Per-token log-probabilities and entropies of `tokens` under the policy, chunked.
+
+  `logp[:, s] = log softmax(logits[:, s-1] / T)[tokens[:, s]]` and
+  `entropy[:, s] = H(softmax(logits[:, s-1] / T))` for s >= 1; 0 at s = 0 and
+  where `mask == 0`. Equal to `logprobs_from_logits(forward(...), ...)`, but the
+  LM head runs on `chunk_size` positions at a time under `jax.checkpoint`, so
+  neither the forward nor the backward pass holds more than
+  `B * chunk_size * V` float32 logits. Differentiable w.r.t. `params`.
+
+  Args:
+    params: parameter tree.
+    config: model config.
+    tokens: i32[B, S] right-padded token ids in [0, V).
+    mask: [B, S], nonzero on the tokens whose values are wanted (response).
+    positions: i32[B, S] or None, as in `forward`.
+    segment_ids: i32[B, S] or None, as in `forward`.
+    temperature: softmax temperature T > 0 (Python float or traced scalar).
+    chunk_size: positions per LM-head chunk (static int >= 1); S - 1 is padded
+      up to a multiple of it internally.
+
+  Returns:
+    (logp f32[B, S], entropy f32[B, S]).
+  """
+  check_tokens(tokens, config.vocab_size)
+  _check_mask(mask, tokens)
+  _check_temperature(temperature)
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}.")
+  tokens = jnp.asarray(tokens, jnp.int32)
+  b, s = tokens.shape
+  hidden = forward(params, config, tokens, positions, segment_ids=segment_ids, return_hidden=True)
+  n = s - 1
+  if n == 0:
+    zeros = jnp.zeros((b, 0), jnp.float32)
+    return _shift_and_mask(zeros, zeros, mask)
+  chunk = min(chunk_size, n)
+  num_chunks = -(-n // chunk)
+  pad = num_chunks * chunk - n
+  h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
+  targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
+  h = h.reshape(b, num_chunks, chunk, -1).swapaxes(0, 1)  # [n, B, c, D]
+  targets = targets.reshape(b, num_chunks, chunk).swapaxes(0, 1)  # [n, B, c]
+  dtype = jnp.dtype(config.compute_dtype)
+  kernel = lm_head_kernel(params, config).astype(dtype)
+
+  @jax.checkpoint
+  def chunk_stats(kernel, h_c, t_c):
+    logits = jnp.einsum(
+      "bcd,dv->bcv", h_c.astype(dtype), kernel, preferred_element_type=jnp.float32
+    )
+    return _token_stats(logits / temperature, t_c)
+
+  def step(carry, xs):
+    h_c, t_c = xs
+    return carry, chunk_stats(kernel, h_c, t_c)
+
+  _, (logp, entropy) = jax.lax.scan(step, None, (h, targets))
+  logp = logp.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
+  entropy = entropy.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
+  return _shift_and_mask(logp, entropy, mask)

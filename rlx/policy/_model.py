@@ -1,0 +1,514 @@
+"""Decoder-only transformer (Qwen2 / Qwen3 / Llama) as pure functions over a dict.
+
+Why pure functions rather than Flax modules: the parameters must be a plain
+pytree at every jit boundary (train step, sampler, checkpoints, partition
+rules), and the paged-KV sampler must drive each layer's projections with its
+own cache and kernels. With functions over a nested dict there is no
+module/state split to keep in sync, the per-layer pieces (`embed`,
+`layer_qkv`, `layer_finish`, `final_norm`, `logits_from_hidden`) are exported
+as they are, and the dict keys map one-to-one onto HF tensor names. The
+layers are stacked on a leading `[L]` axis and run with `lax.scan`, so
+compile time does not grow with depth.
+
+Parameter tree (shapes; `Hq = H * Dh`, `Hk = Hkv * Dh`, `I` = MLP width):
+
+  embed/embedding                 [V, D]
+  layers/input_norm/scale         [L, D]
+  layers/attn/q_proj/kernel       [L, D, Hq]    (+ bias [L, Hq] if attention_bias)
+  layers/attn/k_proj/kernel       [L, D, Hk]    (+ bias [L, Hk])
+  layers/attn/v_proj/kernel       [L, D, Hk]    (+ bias [L, Hk])
+  layers/attn/o_proj/kernel       [L, Hq, D]    (+ bias [L, D] if attention_out_bias)
+  layers/attn/q_norm/scale        [L, Dh]       (qk_norm only)
+  layers/attn/k_norm/scale        [L, Dh]       (qk_norm only)
+  layers/post_attn_norm/scale     [L, D]
+  layers/mlp/gate_proj/kernel     [L, D, I]
+  layers/mlp/up_proj/kernel       [L, D, I]
+  layers/mlp/down_proj/kernel     [L, I, D]
+  final_norm/scale                [D]
+  lm_head/kernel                  [D, V]        (absent when tie_embeddings)
+
+Decode-ready attention interface. One decoder block is
+
+  q, k, v = layer_qkv(layer, config, x, positions)       # norm, proj, qk-norm, RoPE
+  attn    = attention(q, k, v)                           # anything: dense, paged, FP8
+  x       = layer_finish(layer, config, x, attn)         # o_proj, residual, MLP
+
+so a sampler runs the same weights with its own KV cache by calling these
+functions per layer (`get_layer(params, i)` slices layer i), and the training
+forward accepts `attention_fn(layer_index, q, k, v, *, positions,
+segment_ids) -> attn` to replace the dense causal attention inside its layer
+scan (`layer_index` is then a traced int32 scalar).
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from rlx.policy._config import ModelConfig
+
+Params = dict[str, Any]
+AttentionFn = Callable[..., Array]
+
+
+# ----------------------------------------------------------------------------
+# Parameter structure.
+
+
+def param_shapes(config: ModelConfig) -> Params:
+  """The parameter tree of `config` with shape tuples as leaves (see module doc)."""
+  L, D, V = config.num_layers, config.hidden_size, config.vocab_size
+  hq = config.num_heads * config.head_dim
+  hk = config.num_kv_heads * config.head_dim
+  inner = config.intermediate_size
+
+  def linear(d_in: int, d_out: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    out = {"kernel": (L, d_in, d_out)}
+    if bias:
+      out["bias"] = (L, d_out)
+    return out
+
+  attn = {
+    "q_proj": linear(D, hq, config.attention_bias),
+    "k_proj": linear(D, hk, config.attention_bias),
+    "v_proj": linear(D, hk, config.attention_bias),
+    "o_proj": linear(hq, D, config.attention_out_bias),
+  }
+  if config.qk_norm:
+    attn["q_norm"] = {"scale": (L, config.head_dim)}
+    attn["k_norm"] = {"scale": (L, config.head_dim)}
+  shapes: Params = {
+    "embed": {"embedding": (V, D)},
+    "layers": {
+      "input_norm": {"scale": (L, D)},
+      "attn": attn,
+      "post_attn_norm": {"scale": (L, D)},
+      "mlp": {
+        "gate_proj": linear(D, inner, False),
+        "up_proj": linear(D, inner, False),
+        "down_proj": linear(inner, D, False),
+      },
+    },
+    "final_norm": {"scale": (D,)},
+  }
+  if not config.tie_embeddings:
+    shapes["lm_head"] = {"kernel": (D, V)}
+  return shapes
+
+
+def _is_shape(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def init_params(config: ModelConfig, rng: Array) -> Params:
+  """Random parameters: N(0, 0.02) kernels/embeddings, unit norms, zero biases.
+
+  Args:
+    config: the model config.
+    rng: a `jax.random` key.
+
+  Returns:
+    The parameter tree (module docstring), leaves of dtype `config.param_dtype`.
+  """
+  return _init_params(config, rng)
+
+
+# Below this many random elements `init_params` draws them with one normal call
+# (threefry compiles per call site, so this keeps small-model init fast to compile).
+_FLAT_INIT_MAX_ELEMENTS = 2**26
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(config: ModelConfig, rng: Array) -> Params:
+  shapes = param_shapes(config)
+  paths_and_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
+  dtype = jnp.dtype(config.param_dtype)
+  random = [shape for path, shape in paths_and_shapes if path[-1].key in ("kernel", "embedding")]
+  sizes = [math.prod(shape) for shape in random]
+  if sum(sizes) <= _FLAT_INIT_MAX_ELEMENTS:
+    flat = jax.random.normal(rng, (sum(sizes),), jnp.float32)
+    offsets = np.cumsum([0, *sizes])
+    draws = [flat[offsets[i] : offsets[i + 1]].reshape(s) for i, s in enumerate(random)]
+  else:
+    keys = jax.random.split(rng, len(random))
+    draws = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, random, strict=True)]
+  draws = iter(draws)
+  leaves = []
+  for path, shape in paths_and_shapes:
+    name = path[-1].key
+    if name == "scale":
+      leaves.append(jnp.ones(shape, dtype))
+    elif name == "bias":
+      leaves.append(jnp.zeros(shape, dtype))
+    else:
+      leaves.append((0.02 * next(draws)).astype(dtype))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def check_params(params: Params, config: ModelConfig, name: str = "params") -> None:
+  """Raises ValueError naming every missing, unexpected or mis-shaped parameter."""
+  want = {
+    "/".join(p.key for p in path): shape
+    for path, shape in jax.tree_util.tree_flatten_with_path(
+      param_shapes(config), is_leaf=_is_shape
+    )[0]
+  }
+  try:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  except Exception as e:  # pragma: no cover - exotic containers
+    raise ValueError(f"`{name}` must be a nested dict of arrays.") from e
+  have = {"/".join(str(getattr(p, "key", p)) for p in path): np.shape(x) for path, x in flat}
+  problems = [f"missing {k} {want[k]}" for k in sorted(set(want) - set(have))]
+  problems += [f"unexpected {k} {have[k]}" for k in sorted(set(have) - set(want))]
+  problems += [
+    f"{k} has shape {have[k]}, expected {want[k]}"
+    for k in sorted(set(want) & set(have))
+    if tuple(have[k]) != tuple(want[k])
+  ]
+  if problems:
+    raise ValueError(f"`{name}` does not match the config: " + "; ".join(problems) + ".")
+
+
+def get_layer(params: Params, layer_index: int | Int[Array, ""]) -> Params:
+  """Slices decoder block `layer_index` out of the stacked `params["layers"]`."""
+  return jax.tree_util.tree_map(lambda a: a[layer_index], params["layers"])
+
+
+# ----------------------------------------------------------------------------
+# Building blocks.
+
+
+def rms_norm(x: Float[Array, "... D"], scale: Float[Array, " D"], eps: float) -> Array:
+  """RMSNorm: `scale * x / sqrt(mean(x^2) + eps)`, statistics in float32.
+
+  Reference: Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467. Like HF,
+  the normalised activations are cast back to `x.dtype` before the scale.
+  """
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+  """Inverse RoPE frequencies `theta^(-2i/Dh)`, i < Dh/2, with llama3 scaling.
+
+  Computed in float32 with the same operation order as HF transformers.
+  Llama 3.1 scaling (https://github.com/meta-llama/llama-models): wavelengths
+  `2 pi / f` above `orig / low_freq_factor` are divided by `factor`, below
+  `orig / high_freq_factor` kept, and interpolated with
+  `s = (orig / wavelen - low) / (high - low)` in between.
+
+  Returns:
+    f32[Dh / 2].
+  """
+  dim = config.head_dim
+  exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+  inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+  scaling = config.rope_scaling
+  if scaling is None:
+    return inv_freq
+  factor = np.float32(scaling.factor)
+  orig = scaling.original_max_position_embeddings
+  low_wavelen = orig / scaling.low_freq_factor
+  high_wavelen = orig / scaling.high_freq_factor
+  wavelen = (np.float32(2 * np.pi) / inv_freq).astype(np.float32)
+  scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+  smooth = (
+    (orig / wavelen - scaling.low_freq_factor)
+    / (scaling.high_freq_factor - scaling.low_freq_factor)
+  ).astype(np.float32)
+  smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(
+  x: Float[Array, "B S N Dh"], positions: Int[Array, "B S"], inv_freq: np.ndarray
+) -> Float[Array, "B S N Dh"]:
+  """Rotary embedding (Su et al. 2021, https://arxiv.org/abs/2104.09864), HF half layout.
+
+  `x * cos(p f) + rotate_half(x) * sin(p f)` with `rotate_half([a, b]) = [-b, a]`
+  over the two halves of the head dim; computed in float32.
+  """
+  freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, S, Dh/2]
+  angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, S, 1, Dh]
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def _linear(p: Params, x: Array, dtype: Any) -> Array:
+  y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(dtype))
+  if "bias" in p:
+    y = y + p["bias"].astype(dtype)
+  return y
+
+
+def embed(params: Params, config: ModelConfig, tokens: Int[Array, "B S"]) -> Array:
+  """Embedding lookup: `x[b, s] = E[tokens[b, s]]`.
+
+  Args:
+    params: model parameters.
+    config: model config.
+    tokens: i32[B, S] token ids in [0, V).
+
+  Returns:
+    [B, S, D] activations in `config.compute_dtype`.
+  """
+  return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(config.compute_dtype)
+
+
+def layer_qkv(
+  layer: Params,
+  config: ModelConfig,
+  x: Float[Array, "B S D"],
+  positions: Int[Array, "B S"],
+) -> tuple[Float[Array, "B S H Dh"], Float[Array, "B S Hkv Dh"], Float[Array, "B S Hkv Dh"]]:
+  """First half of a decoder block: input RMSNorm, q/k/v projections, q/k norm, RoPE.
+
+  Args:
+    layer: one block's parameters (`get_layer(params, i)`).
+    config: model config.
+    x: [B, S, D] residual stream (compute dtype).
+    positions: i32[B, S] RoPE positions.
+
+  Returns:
+    (q [B, S, H, Dh], k [B, S, Hkv, Dh], v [B, S, Hkv, Dh]); q and k are rotated.
+  """
+  dtype = jnp.dtype(config.compute_dtype)
+  b, s, _ = x.shape
+  attn = layer["attn"]
+  h = rms_norm(x, layer["input_norm"]["scale"], config.rms_norm_eps)
+  q = _linear(attn["q_proj"], h, dtype).reshape(b, s, config.num_heads, config.head_dim)
+  k = _linear(attn["k_proj"], h, dtype).reshape(b, s, config.num_kv_heads, config.head_dim)
+  v = _linear(attn["v_proj"], h, dtype).reshape(b, s, config.num_kv_heads, config.head_dim)
+  if config.qk_norm:
+    q = rms_norm(q, attn["q_norm"]["scale"], config.rms_norm_eps)
+    k = rms_norm(k, attn["k_norm"]["scale"], config.rms_norm_eps)
+  inv_freq = rope_inv_freq(config)
+  return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def layer_finish(
+  layer: Params,
+  config: ModelConfig,
+  x: Float[Array, "B S D"],
+  attn_out: Float[Array, "B S H Dh"],
+) -> Float[Array, "B S D"]:
+  """Second half of a decoder block: output projection + residual, RMSNorm, SwiGLU + residual.
+
+  `x' = x + attn_out W_o`;  `y = x' + W_down(silu(W_gate h) * W_up h)`, `h = norm(x')`
+  (SwiGLU: Shazeer 2020, https://arxiv.org/abs/2002.05202).
+
+  Args:
+    layer: one block's parameters.
+    config: model config.
+    x: [B, S, D] residual stream that went into `layer_qkv`.
+    attn_out: [B, S, H, Dh] attention output (per query head).
+
+  Returns:
+    [B, S, D] the block's output.
+  """
+  dtype = jnp.dtype(config.compute_dtype)
+  b, s, _ = x.shape
+  want = (b, s, config.num_heads, config.head_dim)
+  if attn_out.shape != want:
+    raise ValueError(f"`attn_out` must have shape {want}, got {attn_out.shape}.")
+  attn_out = attn_out.astype(dtype).reshape(b, s, config.num_heads * config.head_dim)
+  x = x + _linear(layer["attn"]["o_proj"], attn_out, dtype)
+  h = rms_norm(x, layer["post_attn_norm"]["scale"], config.rms_norm_eps)
+  mlp = layer["mlp"]
+  gated = jax.nn.silu(_linear(mlp["gate_proj"], h, dtype)) * _linear(mlp["up_proj"], h, dtype)
+  return x + _linear(mlp["down_proj"], gated, dtype)
+
+
+def final_norm(params: Params, config: ModelConfig, x: Float[Array, "B S D"]) -> Array:
+  """The final RMSNorm; its output is what the LM head multiplies ("hidden states")."""
+  return rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+
+
+def lm_head_kernel(params: Params, config: ModelConfig) -> Float[Array, "D V"]:
+  """The [D, V] output matrix (the transposed embedding when tied)."""
+  if config.tie_embeddings:
+    return params["embed"]["embedding"].T
+  return params["lm_head"]["kernel"]
+
+
+def logits_from_hidden(
+  params: Params, config: ModelConfig, hidden: Float[Array, "... D"]
+) -> Float[Array, "... V"]:
+  """`logits = hidden @ W_head` with compute-dtype inputs and float32 accumulation/output."""
+  dtype = jnp.dtype(config.compute_dtype)
+  kernel = lm_head_kernel(params, config).astype(dtype)
+  return jnp.einsum(
+    "...d,dv->...v", hidden.astype(dtype), kernel, preferred_element_type=jnp.float32
+  )
+
+
+def dense_causal_attention(
+  q: Float[Array, "B S H Dh"],
+  k: Float[Array, "B S Hkv Dh"],
+  v: Float[Array, "B S Hkv Dh"],
+  segment_ids: Int[Array, "B S"] | None = None,
+) -> Float[Array, "B S H Dh"]:
+  """Causal grouped-query softmax attention over one packed/padded block.
+
+  `out_i = sum_j softmax_j(q_i . k_j / sqrt(Dh)) v_j` over `j <= i` with
+  `segment_ids[j] == segment_ids[i]` (Vaswani et al. 2017; GQA: Ainslie et al.
+  2023, https://arxiv.org/abs/2305.13245). Query head `h` reads KV head
+  `h // (H / Hkv)`. Scores and softmax are float32; padding (segment 0)
+  attends only to padding, so every row is finite.
+
+  Args:
+    q: [B, S, H, Dh] rotated queries.
+    k: [B, S, Hkv, Dh] rotated keys.
+    v: [B, S, Hkv, Dh] values.
+    segment_ids: i32[B, S] or None (one segment).
+
+  Returns:
+    [B, S, H, Dh] in the dtype of `q`.
+  """
+  b, s, h, d = q.shape
+  hkv = k.shape[2]
+  if k.shape != (b, s, hkv, d) or v.shape != k.shape or h % hkv:
+    raise ValueError(f"Incompatible attention shapes: q {q.shape}, k {k.shape}, v {v.shape}.")
+  qg = q.reshape(b, s, hkv, h // hkv, d)
+  scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+  scores = scores * np.float32(1.0 / np.sqrt(d))
+  allowed = jnp.tril(jnp.ones((s, s), bool))[None]
+  if segment_ids is not None:
+    allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+  scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(b, s, h, d).astype(q.dtype)
+
+
+def default_attention_fn(
+  layer_index: Int[Array, ""],
+  q: Float[Array, "B S H Dh"],
+  k: Float[Array, "B S Hkv Dh"],
+  v: Float[Array, "B S Hkv Dh"],
+  *,
+  positions: Int[Array, "B S"],
+  segment_ids: Int[Array, "B S"] | None,
+) -> Float[Array, "B S H Dh"]:
+  """The `attention_fn` used by `forward` by default: `dense_causal_attention`."""
+  del layer_index, positions
+  return dense_causal_attention(q, k, v, segment_ids)
+
+
+# ----------------------------------------------------------------------------
+# Training forward.
+
+
+def check_tokens(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
+  """Checks `tokens` is an integer `[B, S]` array; ids in [0, V) when concrete."""
+  if np.ndim(tokens) != 2:
+    raise ValueError(f"`{name}` must have shape [B, S], got {np.shape(tokens)}.")
+  if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array, got dtype {jnp.result_type(tokens)}.")
+  if isinstance(tokens, jax.core.Tracer):
+    return
+  if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+    return
+  arr = np.asarray(tokens)
+  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+    bad = arr.max() if arr.max() >= vocab_size else arr.min()
+    raise ValueError(f"`{name}` contains token id {int(bad)} outside [0, vocab_size={vocab_size}).")
+
+
+def positions_from_segments(segment_ids: Int[Array, "B S"]) -> Int[Array, "B S"]:
+  """Positions restarting at 0 at each segment start: `pos[s] = s - start(segment(s))`."""
+  s = segment_ids.shape[1]
+  idx = jnp.arange(s, dtype=jnp.int32)[None, :]
+  starts = jnp.concatenate(
+    [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+  )
+  start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+  return (idx - start_idx).astype(jnp.int32)
+
+
+def _check_aux(x: Any, tokens: Any, name: str) -> None:
+  if x is None:
+    return
+  if np.shape(x) != np.shape(tokens):
+    raise ValueError(
+      f"`{name}` must have the shape of `tokens` {np.shape(tokens)}, got {np.shape(x)}."
+    )
+  if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array, got dtype {jnp.result_type(x)}.")
+
+
+def forward(
+  params: Params,
+  config: ModelConfig,
+  tokens: Int[Array, "B S"],
+  positions: Int[Array, "B S"] | None = None,
+  *,
+  segment_ids: Int[Array, "B S"] | None = None,
+  attention_fn: AttentionFn | None = None,
+  return_hidden: bool = False,
+) -> Float[Array, "B S V"] | Float[Array, "B S D"]:
+  """Causal language-model forward pass (training path).
+
+  `logits[b, s] = W_head · norm(block_L(... block_1(E[tokens[b, :s+1]])))`: position
+  s sees tokens 0..s of its own segment. Same numerics as HF transformers'
+  Qwen2/Qwen3/LlamaForCausalLM (see tests/policy for the measured parity).
+
+  Args:
+    params: parameter tree (module docstring).
+    config: model config (static under jit).
+    tokens: i32[B, S] token ids in [0, V) (padding must use a valid id too).
+    positions: i32[B, S] RoPE positions. Default: `0..S-1` per row, or, when
+      `segment_ids` is given, restarting at 0 at every segment start.
+    segment_ids: i32[B, S] or None. Tokens attend only to earlier tokens with
+      the same id (packing); use 0 for padding. None = one segment per row
+      (right padding needs no segment ids: real tokens never see later ones).
+    attention_fn: optional replacement of the attention core,
+      `attention_fn(layer_index, q, k, v, *, positions, segment_ids) -> out`
+      with q [B, S, H, Dh], k/v [B, S, Hkv, Dh] (post-RoPE), out [B, S, H, Dh];
+      `layer_index` is a traced int32 scalar. Default `default_attention_fn`.
+    return_hidden: return the final-norm hidden states instead of logits.
+
+  Returns:
+    f32[B, S, V] logits, or [B, S, D] hidden states (compute dtype) when
+    `return_hidden`.
+  """
+  check_params(params, config)
+  check_tokens(tokens, config.vocab_size)
+  _check_aux(positions, tokens, "positions")
+  _check_aux(segment_ids, tokens, "segment_ids")
+  tokens = jnp.asarray(tokens, jnp.int32)
+  b, s = tokens.shape
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+  if positions is None:
+    if segment_ids is None:
+      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    else:
+      positions = positions_from_segments(segment_ids)
+  positions = jnp.asarray(positions, jnp.int32)
+  attend = attention_fn if attention_fn is not None else default_attention_fn
+
+  def block(x, inputs):
+    layer, index = inputs
+    q, k, v = layer_qkv(layer, config, x, positions)
+    out = attend(index, q, k, v, positions=positions, segment_ids=segment_ids)
+    return layer_finish(layer, config, x, out), None
+
+  if config.remat:
+    block = jax.checkpoint(block, prevent_cse=False)
+  x = embed(params, config, tokens)
+  indices = jnp.arange(config.num_layers, dtype=jnp.int32)
+  x, _ = jax.lax.scan(block, x, (params["layers"], indices))
+  hidden = final_norm(params, config, x)
+  if return_hidden:
+    return hidden
+  return logits_from_hidden(params, config, hidden)

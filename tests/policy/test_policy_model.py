@@ -1,0 +1,288 @@
+"""ModelConfig, parameters, the forward pass and the decode-ready attention interface."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx import policy
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+def _llama3_config(**overrides):
+  base = dict(
+    rope_theta=500000.0,
+    rope_scaling=policy.RopeScaling(8.0, 1.0, 4.0, 64),
+    attention_bias=True,
+    attention_out_bias=True,
+  )
+  base.update(overrides)
+  return policy.ModelConfig.small("llama", **base)
+
+
+@pytest.fixture(scope="module")
+def models():
+  """family -> (config, params) with O(1) random norms and biases."""
+  out = {}
+  for i, family in enumerate(FAMILIES):
+    config = _llama3_config() if family == "llama" else policy.ModelConfig.small(family)
+    out[family] = (config, _perturbed_init(config, jax.random.key(i)))
+  return out
+
+
+def _perturbed_init(config, rng):
+  """init_params plus N(0, 0.2) noise on every leaf (numpy, so nothing compiles)."""
+  noise = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**30)))
+  return jax.tree_util.tree_map(
+    lambda x: x + jnp.asarray(0.2 * noise.normal(size=x.shape), x.dtype),
+    policy.init_params(config, rng),
+  )
+
+
+_forward = jax.jit(
+  policy.forward, static_argnums=1, static_argnames=("attention_fn", "return_hidden")
+)
+
+
+def _tokens(b=2, s=9, seed=0, vocab=128):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, s)), jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Config.
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_hf_round_trip_and_hashable(family):
+  config = _llama3_config() if family == "llama" else policy.ModelConfig.small(family)
+  assert policy.ModelConfig.from_hf_config(config.to_hf_config()) == config
+  assert hash(config) == hash(dataclasses.replace(config))
+  # Usable as a static jit argument.
+  f = jax.jit(lambda c, x: x * c.hidden_size, static_argnums=0)
+  assert float(f(config, 1.0)) == 64.0
+
+
+def test_config_legacy_rope_layout():
+  hf = _llama3_config().to_hf_config()
+  del hf["rope_parameters"]
+  hf["rope_scaling"] = {
+    "type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+  }
+  config = policy.ModelConfig.from_hf_config(hf)
+  assert config.rope_scaling == policy.RopeScaling(8.0, 1.0, 4.0, 64)
+  assert config.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "'yarn'"),
+    ("use_sliding_window", True, "use_sliding_window"),
+    ("layer_types", ["full_attention", "sliding_attention"], "sliding_attention"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+    ("model_type", "gemma", "gemma"),
+  ],
+)
+def test_config_rejects_unsupported_fields(field, value, match):
+  hf = policy.ModelConfig.small("llama").to_hf_config()
+  hf[field] = value
+  with pytest.raises(ValueError, match=match):
+    policy.ModelConfig.from_hf_config(hf)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    policy.ModelConfig.small("qwen2", num_kv_heads=3)
+  with pytest.raises(ValueError, match="family"):
+    policy.ModelConfig.small("mistral")
+  with pytest.raises(ValueError, match="param_dtype"):
+    policy.ModelConfig.small("qwen2", param_dtype="int8")
+  assert policy.ModelConfig.small("qwen2", param_dtype=jnp.bfloat16).param_dtype == "bfloat16"
+
+
+def test_llama3_rope_frequencies_by_band():
+  config = _llama3_config(head_dim=16)
+  plain = policy.rope_inv_freq(dataclasses.replace(config, rope_scaling=None))
+  scaled = policy.rope_inv_freq(config)
+  wavelen = 2 * np.pi / plain
+  high = wavelen < 64 / 4.0  # kept
+  low = wavelen > 64 / 1.0  # divided by factor
+  assert high.any() and low.any() and (~high & ~low).any()
+  np.testing.assert_allclose(scaled[high], plain[high], rtol=1e-6)
+  np.testing.assert_allclose(scaled[low], plain[low] / 8.0, rtol=1e-6)
+  mid = ~high & ~low
+  assert np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / 8.0)
+
+
+# ----------------------------------------------------------------------------
+# Parameters.
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_init_params_structure(family, models):
+  config, params = models[family]
+  shapes = jax.tree_util.tree_map(lambda x: tuple(x.shape), params)
+  assert shapes == policy.param_shapes(config)
+  if family == "qwen3":
+    bf16 = dataclasses.replace(config, param_dtype="bfloat16")
+    leaves = jax.tree_util.tree_leaves(
+      jax.eval_shape(lambda k: policy.init_params(bf16, k), jax.random.key(0))
+    )
+    assert all(x.dtype == jnp.bfloat16 for x in leaves)
+
+
+def test_check_params_names_problems(models):
+  config, params = models["qwen3"]
+  bad = jax.tree_util.tree_map(lambda x: x, params)
+  del bad["layers"]["attn"]["q_norm"]
+  bad["final_norm"]["scale"] = jnp.ones((3,))
+  with pytest.raises(ValueError) as info:
+    policy.forward(bad, config, _tokens())
+  assert "missing layers/attn/q_norm/scale" in str(info.value)
+  assert "final_norm/scale has shape (3,), expected (64,)" in str(info.value)
+
+
+# ----------------------------------------------------------------------------
+# Forward: shapes, errors, packing, remat.
+
+
+def test_forward_shapes_and_errors(models):
+  config, params = models["qwen2"]
+  tokens = _tokens()
+  assert _forward(params, config, tokens).shape == (2, 9, 128)
+  hidden = _forward(params, config, tokens, return_hidden=True)
+  assert hidden.shape == (2, 9, 64)
+  np.testing.assert_allclose(
+    policy.logits_from_hidden(params, config, hidden),
+    _forward(params, config, tokens),
+    atol=1e-5,
+  )
+  with pytest.raises(ValueError, match="tokens"):
+    policy.forward(params, config, tokens[0])
+  with pytest.raises(ValueError, match="positions"):
+    policy.forward(params, config, tokens, tokens[:, :3])
+  with pytest.raises(ValueError, match="segment_ids"):
+    policy.forward(params, config, tokens, segment_ids=jnp.ones((2, 9)))
+  with pytest.raises(ValueError, match="integer"):
+    policy.forward(params, config, tokens.astype(jnp.float32))
+
+
+def test_packed_segments_equal_separate_rows(models):
+  config, params = models["llama"]
+  a, b = _tokens(1, 5, seed=1)[0], _tokens(1, 4, seed=2)[0]
+  pad = lambda x: jnp.concatenate([x, jnp.zeros(12 - x.shape[0], jnp.int32)])
+  rows = jnp.stack([jnp.concatenate([a, b, jnp.zeros(3, jnp.int32)]), pad(a), pad(b)])
+  segments = jnp.asarray([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 12], jnp.int32)
+  np.testing.assert_array_equal(
+    policy.positions_from_segments(segments[:1]), [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]]
+  )
+  out = _forward(params, config, rows, segment_ids=segments)
+  np.testing.assert_allclose(out[0, :5], out[1, :5], atol=1e-5)
+  np.testing.assert_allclose(out[0, 5:9], out[2, :4], atol=1e-5)
+
+
+def test_remat_same_values_and_grads(models):
+  config, params = models["qwen3"]
+  tokens = _tokens(2, 5)
+
+  def loss(p, c):
+    return jnp.mean(jax.nn.log_softmax(policy.forward(p, c, tokens)) ** 2)
+
+  remat = dataclasses.replace(config, remat=True)
+  v1, g1 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, config)
+  v2, g2 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, remat)
+  np.testing.assert_allclose(v1, v2, rtol=1e-6)
+  jax.tree_util.tree_map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), g1, g2
+  )
+
+
+# ----------------------------------------------------------------------------
+# Decode-ready attention interface.
+
+
+def _loop_attention(layer_index, q, k, v, *, positions, segment_ids):
+  """Independent dense causal GQA attention: explicit loop over query heads."""
+  del layer_index
+  b, s, h, d = q.shape
+  group = h // k.shape[2]
+  causal = positions[:, :, None] >= positions[:, None, :]  # [B, Sq, Sk]
+  if segment_ids is not None:
+    causal &= segment_ids[:, :, None] == segment_ids[:, None, :]
+  outs = []
+  for head in range(h):
+    kh, vh = k[:, :, head // group], v[:, :, head // group]
+    scores = jnp.einsum("bqd,bkd->bqk", q[:, :, head], kh) / np.sqrt(d)
+    scores = jnp.where(causal, scores, -jnp.inf)
+    outs.append(jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, -1), vh))
+  return jnp.stack(outs, axis=2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_external_attention_fn_matches_default(family, models):
+  config, params = models[family]
+  tokens = _tokens(3, 8)
+  segments = jnp.asarray([[1] * 8, [1] * 5 + [0] * 3, [1] * 3 + [2] * 5], jnp.int32)
+  ref = _forward(params, config, tokens, segment_ids=segments)
+  ext = _forward(params, config, tokens, segment_ids=segments, attention_fn=_loop_attention)
+  np.testing.assert_allclose(ext, ref, atol=1e-4)
+
+  seen = []
+
+  def recording(layer_index, q, k, v, **kw):
+    seen.append((q.shape, k.shape, v.shape))
+    return _loop_attention(layer_index, q, k, v, **kw)
+
+  jax.eval_shape(lambda p: policy.forward(p, config, tokens, attention_fn=recording), params)
+  hkv = (3, 8, config.num_kv_heads, config.head_dim)
+  assert seen == [((3, 8, config.num_heads, config.head_dim), hkv, hkv)]  # traced once in scan
+
+  with pytest.raises(ValueError, match="attn_out"):
+    jax.eval_shape(
+      lambda p: policy.forward(p, config, tokens, attention_fn=lambda i, q, k, v, **kw: q[..., :2]),
+      params,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _decode_with_kv_cache(params, config, tokens):
+  """Token-by-token decoding with an external KV cache driven by the per-layer functions."""
+  b, s = tokens.shape
+  k_cache = [jnp.zeros((b, 0, config.num_kv_heads, config.head_dim))] * config.num_layers
+  v_cache = list(k_cache)
+  group = config.num_query_groups
+  out = []
+  for t in range(s):
+    x = policy.embed(params, config, tokens[:, t : t + 1])
+    positions = jnp.full((b, 1), t, jnp.int32)
+    for i in range(config.num_layers):
+      layer = policy.get_layer(params, i)
+      q, k, v = policy.layer_qkv(layer, config, x, positions)
+      k_cache[i] = jnp.concatenate([k_cache[i], k], axis=1)
+      v_cache[i] = jnp.concatenate([v_cache[i], v], axis=1)
+      keys = jnp.repeat(k_cache[i], group, axis=2)
+      values = jnp.repeat(v_cache[i], group, axis=2)
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, keys) / np.sqrt(config.head_dim)
+      attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), values)
+      x = policy.layer_finish(layer, config, x, attn)
+    out.append(policy.logits_from_hidden(params, config, policy.final_norm(params, config, x)))
+  return jnp.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_per_layer_functions_drive_a_kv_cache_decode(family, models):
+  """A sampler-style decode loop over the exported pieces reproduces the forward logits."""
+  config, params = models[family]
+  tokens = _tokens(2, 4, seed=3)
+  ref = _forward(params, config, tokens)
+  np.testing.assert_allclose(_decode_with_kv_cache(params, config, tokens), ref, atol=1e-4)
