@@ -43,6 +43,8 @@ def aspo_loss(
   - A > 0, flipped ratio: `r^ = min(r, 1 + eps_high)`,
       `L = -A (r^ / sg(r^)) / sg(r^)`
     value `-A / r^`, gradient `-A (1 / r) grad lp` inside the clip, 0 above it.
+    There is no lower bound for A > 0: the flipped weight 1/r of a token whose
+    probability dropped grows, bounded only by the +-20 log-ratio clamp.
   - A <= 0, PPO lower clip: `L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`;
     soft dual clip where `r > c`: `L = -A c exp(lp - sg(lp))`, whose gradient
     `-A c grad lp` survives (capped weight c instead of r).

@@ -13,6 +13,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from jax import test_util as jtu
 
+import rlx.objectives
 from rlx.objectives import (
   AGG_MODES,
   POLICY_LOSSES,
@@ -130,6 +131,42 @@ class PolicyLossBehaviourTest(chex.TestCase):
       self.assertIs(get_policy_loss(name), POLICY_LOSSES[name])
     with self.assertRaisesRegex(ValueError, "must be one of .*'ppo'.*'aspo'.*got 'grpo'"):
       get_policy_loss("grpo")
+
+  def test_public_api(self):
+    for public in (
+      "AGG_MODES",
+      "CTPO_VARIANTS",
+      "POLICY_LOSSES",
+      "PolicyLossMetrics",
+      "aggregate",
+      "aggregate_scale",
+      "aspo_loss",
+      "cispo_loss",
+      "ctpo_clip_scale",
+      "ctpo_loss",
+      "cumulative_log_ratio",
+      "get_policy_loss",
+      "gspo_loss",
+      "min_prefix_log_ratio",
+      "minpro_loss",
+      "ppo_clip_loss",
+      "sapo_loss",
+      "sequence_log_ratio",
+      "token_log_ratio",
+    ):
+      self.assertTrue(hasattr(rlx.objectives, public), msg=public)
+    self.assertEqual(
+      PolicyLossMetrics._fields,
+      (
+        "clip_frac_low",
+        "clip_frac_high",
+        "clip_frac_dual",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_max",
+        "is_weight_mean",
+      ),
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(*NAMED)
