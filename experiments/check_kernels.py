@@ -116,6 +116,7 @@ def check_paged_attention(cfg, copy_bw: float, backend_impls, interpret_for) -> 
   from rlx import kernels_pallas as kp
 
   rows = []
+  timing = dict(iters=cfg["iters"], repeats=cfg.get("repeats", 3))
   hkv, group, d, page = cfg["num_kv_heads"], cfg["gqa"], cfg["head_dim"], cfg["page_size"]
   bs = kp.PagedAttentionBlockSizes(pages_per_compute_block=cfg["pages_per_compute_block"] or None)
   for kv_dtype in cfg["kv_dtypes"]:
@@ -164,7 +165,8 @@ def check_paged_attention(cfg, copy_bw: float, backend_impls, interpret_for) -> 
           try:
             out = fn(q, k, v, lengths, table, k_scale, v_scale)
             err = _errors(out[:nb], want)
-            seconds = _timeit(fn, q, k, v, lengths, table, k_scale, v_scale, iters=cfg["iters"])
+            args = (q, k, v, lengths, table, k_scale, v_scale)
+            seconds = _timeit(fn, *args, **timing)
           except Exception as e:  # a failing kernel is a table row, not a crash
             rows.append(Row(f"paged_attention[{impl}]", case, float("nan"), float("nan"), 0,
                             "-", "-", f"FAILED: {type(e).__name__}: {str(e)[:120]}"))  # fmt: skip
@@ -187,6 +189,7 @@ def check_fp8_matmul(cfg, pallas_interpret) -> list[Row]:
   from rlx import kernels_pallas as kp
 
   rows = []
+  timing = dict(iters=cfg["iters"], repeats=cfg.get("repeats", 3))
   for m, k, n in cfg["matmul_shapes"]:
     kx, kw = jax.random.split(jax.random.key(m + 7 * k + 13 * n))
     x = jax.random.normal(kx, (m, k), jnp.float32)
@@ -206,12 +209,12 @@ def check_fp8_matmul(cfg, pallas_interpret) -> list[Row]:
     try:
       out = fp8(xq, xs, wq, ws)
       err = _errors(out, want)
-      t_fp8 = _timeit(fp8, xq, xs, wq, ws, iters=cfg["iters"])
+      t_fp8 = _timeit(fp8, xq, xs, wq, ws, **timing)
     except Exception as e:
       rows.append(Row("fp8_blockwise_matmul", case, float("nan"), float("nan"), 0, "-", "-",
                       f"FAILED: {type(e).__name__}: {str(e)[:120]}"))  # fmt: skip
       continue
-    t_bf16 = _timeit(bf16, xb, wb, iters=cfg["iters"])
+    t_bf16 = _timeit(bf16, xb, wb, **timing)
     rows.append(
       Row("fp8_blockwise_matmul", case, err[0], err[1], t_fp8 * 1e6,
           f"{flops / t_fp8 / 1e12:.1f} TFLOP/s", f"{t_bf16 / t_fp8:.2f}x bf16 dot")
@@ -271,7 +274,7 @@ def config_from_flags() -> dict:
       smoke=True, context_lengths=[16, 40], batch_sizes=[2],
       kv_dtypes=["bfloat16", "float8_e4m3fn"],
       num_kv_heads=2, gqa=2, head_dim=64, page_size=16, pages_per_compute_block=2,
-      matmul_shapes=[(32, 256, 128)], iters=2, max_kv_gib=1.0,
+      matmul_shapes=[(32, 256, 128)], iters=2, repeats=1, max_kv_gib=1.0,
       command=" ".join(["python"] + sys.argv),
     )  # fmt: skip
   shapes = [tuple(int(v) for v in s.split("x")) for s in FLAGS.matmul_shapes]

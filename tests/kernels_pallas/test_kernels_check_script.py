@@ -21,7 +21,7 @@ def test_smoke_run_produces_accurate_rows(check_kernels):
   cfg = dict(
     smoke=True, context_lengths=[20], batch_sizes=[2], kv_dtypes=["float8_e4m3fn"],
     num_kv_heads=1, gqa=2, head_dim=64, page_size=16, pages_per_compute_block=2,
-    matmul_shapes=[(16, 256, 128)], iters=1, max_kv_gib=1.0, command="pytest",
+    matmul_shapes=[(16, 256, 128)], iters=1, repeats=1, max_kv_gib=1.0, command="pytest",
   )  # fmt: skip
   rows, header = check_kernels.run_checks(cfg)
   kernels = [r.kernel for r in rows]
