@@ -24,7 +24,7 @@ from rlx.kernels_pallas import (
   paged_attention_reference,
   saturating_cast,
 )
-from rlx.kernels_pallas._paged_attention import _paged_attention_jit
+from rlx.kernels_pallas._paged_attention import _paged_attention_jit, _resolve_impl
 
 DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 GQA = (1, 4, 8)
@@ -278,3 +278,10 @@ def test_hardware_kernel_matches_reference(dtype):
   np.testing.assert_allclose(
     np.asarray(got.astype(jnp.float32)), np.asarray(want), atol=TOLERANCE[dtype], rtol=0
   )
+
+
+def test_impl_resolution_on_cpu():
+  assert _resolve_impl("auto", False) == "xla"
+  assert _resolve_impl("pallas", True) == "pallas_gpu"
+  assert _resolve_impl("pallas", pltpu.InterpretParams()) == "pallas_tpu"
+  assert _resolve_impl("pallas_tpu", pltpu.InterpretParams()) == "pallas_tpu"
