@@ -21,6 +21,7 @@ sampler runs the same weights by calling `embed`, `get_layer`, `layer_qkv`,
 its own attention kernel, `layer_finish`, `final_norm` and
 `logits_from_hidden`; or `forward(..., attention_fn=f)` calls
 `f(layer_index, q, k, v, *, positions, segment_ids) -> out` inside its layer scan.
+`kv_absmax` gives per-layer K/V abs-max from a training forward (FP8 KV scales).
 """
 
 from rlx.policy._checkpoint import (
@@ -51,6 +52,7 @@ from rlx.policy._model import (
   forward,
   get_layer,
   init_params,
+  kv_absmax,
   layer_finish,
   layer_qkv,
   lm_head_kernel,

@@ -24,6 +24,7 @@ PUBLIC = (
   "get_layer",
   "hf_tensor_shapes",
   "init_params",
+  "kv_absmax",
   "layer_finish",
   "layer_qkv",
   "lm_head_kernel",

@@ -79,6 +79,10 @@ def test_config_legacy_rope_layout():
   config = policy.ModelConfig.from_hf_config(hf)
   assert config.rope_scaling == policy.RopeScaling(8.0, 1.0, 4.0, 64)
   assert config.rope_theta == 500000.0
+  hf["rope_scaling"] = None  # transformers 4.x layout without scaling
+  hf["rope_theta"] = 1e6
+  config = policy.ModelConfig.from_hf_config(hf)
+  assert config.rope_scaling is None and config.rope_theta == 1e6
 
 
 @pytest.mark.parametrize(
@@ -286,3 +290,91 @@ def test_per_layer_functions_drive_a_kv_cache_decode(family, models):
   tokens = _tokens(2, 4, seed=3)
   ref = _forward(params, config, tokens)
   np.testing.assert_allclose(_decode_with_kv_cache(params, config, tokens), ref, atol=1e-4)
+
+
+def test_kv_absmax_matches_per_layer_computation(models):
+  config, params = models["qwen3"]
+  tokens = _tokens(2, 5, seed=4)
+  mask = jnp.asarray([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+  k_amax, v_amax = jax.jit(policy.kv_absmax, static_argnums=1)(params, config, tokens, mask)
+  assert k_amax.shape == v_amax.shape == (config.num_layers, config.num_kv_heads)
+  x = policy.embed(params, config, tokens)
+  positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  valid = np.asarray(mask, bool)
+  for i in range(config.num_layers):
+    layer = policy.get_layer(params, i)
+    q, k, v = policy.layer_qkv(layer, config, x, positions)
+    for got, t in ((k_amax[i], k), (v_amax[i], v)):
+      want = np.abs(np.asarray(t))[valid].max(axis=(0, 2))  # [Hkv]
+      np.testing.assert_allclose(got, want, rtol=1e-5)
+    x = policy.layer_finish(layer, config, x, policy.dense_causal_attention(q, k, v))
+
+
+def test_config_from_transformers4_style_dicts():
+  """config.json layouts as published for Qwen2.5 / Qwen3 / Llama-3.2 (pre-transformers-5)."""
+  qwen25 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "use_mrope": False,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+  }
+  c = policy.ModelConfig.from_hf_config(qwen25)
+  assert (c.family, c.head_dim, c.num_kv_heads, c.tie_embeddings) == ("qwen2", 64, 2, True)
+  assert c.attention_bias and not c.attention_out_bias and not c.qk_norm
+  assert (c.param_dtype, c.compute_dtype, c.rope_theta) == ("bfloat16", "bfloat16", 1e6)
+
+  qwen3 = dict(qwen25, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128)
+  qwen3.update(attention_bias=False, hidden_size=1024, num_attention_heads=16, sliding_window=None)
+  c = policy.ModelConfig.from_hf_config(qwen3)
+  assert (c.head_dim, c.qk_norm, c.attention_bias) == (128, True, False)
+
+  llama32 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+      "factor": 32.0,
+      "high_freq_factor": 4.0,
+      "low_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192,
+      "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+    "eos_token_id": [128001, 128008, 128009],
+  }
+  c = policy.ModelConfig.from_hf_config(llama32, param_dtype="float32")
+  assert c.rope_scaling == policy.RopeScaling(32.0, 1.0, 4.0, 8192)
+  assert c.eos_token_id == (128001, 128008, 128009) and hash(c)
+  assert (c.param_dtype, c.compute_dtype) == ("float32", "float32")
+  assert policy.ModelConfig.from_hf_config(c.to_hf_config()) == c
