@@ -52,6 +52,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Needs `rollout_logp` in the batch.
   c.use_rollout_correction = False
   c.rollout_correction_kwargs = ml_collections.ConfigDict()
+  # VCPO: scale every update by sqrt(min(1, ESS)) of the batch's sequence IS
+  # weights prod_t pi_old / pi_rollout (rlx.objectives.vcpo_lr_factor); needs
+  # `rollout_logp` in the batch.
+  c.use_vcpo = False
   # KL(current || frozen reference) penalty coefficient; 0 disables it. When
   # > 0 the batch must carry `ref_logp` (see compute_logprobs).
   c.kl_coef = 0.0
@@ -64,6 +68,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.temperature = 1.0
   # Sequence chunk of rlx.policy.token_logprobs; 0 = the policy's default.
   c.logprob_chunk_size = 0
+  # All-gather the FSDP-sharded params right before each (micro-batch) forward
+  # (ZeRO-3: params/grads/optimizer state stay sharded; the gradient of the
+  # gather is a reduce-scatter). False leaves the layout to XLA's sharding
+  # propagation, which may replicate the batch instead.
+  c.gather_fsdp_params = True
   # --- optimisation ---
   # Global-norm gradient clipping; 0 disables it.
   c.max_grad_norm = 1.0

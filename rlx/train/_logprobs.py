@@ -17,10 +17,11 @@ class ComputeLogprobs:
   From `make_compute_logprobs`; runs one jitted, sharded function.
   """
 
-  def __init__(self, jitted: Any, micro_batches: int, num_shards: int):
+  def __init__(self, jitted: Any, micro_batches: int, mesh: Mesh):
     self.jitted = jitted
+    self.mesh = mesh
     self._micro_batches = micro_batches
-    self._num_shards = num_shards
+    self._num_shards = _mesh.batch_axis_size(mesh)
 
   def __call__(self, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
     if isinstance(params, _state.TrainState):
@@ -43,7 +44,7 @@ class ComputeLogprobs:
     inputs = {
       k: batch[k] for k in ("tokens", "loss_mask", "positions", "segment_ids") if k in batch
     }
-    return self.jitted(params, inputs)
+    return self.jitted(params, _mesh.place_batch(inputs, self.mesh))
 
 
 def make_compute_logprobs(
@@ -74,6 +75,7 @@ def make_compute_logprobs(
   p_shardings = _mesh.param_shardings(model_config, mesh)
   batch_sharding = NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))
   micro_batches = cfg.micro_batches
+  gathered = _mesh.gathered_param_shardings(model_config, mesh) if cfg.gather_fsdp_params else None
 
   def fn(params, inputs):
     mask = inputs["loss_mask"]
@@ -86,11 +88,11 @@ def make_compute_logprobs(
       return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     def body(_, micro):
-      logp, _ = _step._token_logprobs(params, micro, model_config, cfg)
+      logp, _ = _step._token_logprobs(params, micro, model_config, cfg, gathered)
       return None, logp.astype(jnp.float32)
 
     _, logp = jax.lax.scan(body, None, jax.tree.map(one, inputs))
     return jnp.swapaxes(logp, 0, 1).reshape(inputs["tokens"].shape)
 
   jitted = jax.jit(fn, in_shardings=(p_shardings, batch_sharding), out_shardings=batch_sharding)
-  return ComputeLogprobs(jitted, micro_batches, _mesh.batch_axis_size(mesh))
+  return ComputeLogprobs(jitted, micro_batches, mesh)

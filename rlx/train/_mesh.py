@@ -123,6 +123,34 @@ def param_shardings(model_config: Any, mesh: Mesh) -> Any:
   )
 
 
+def gathered_param_shardings(model_config: Any, mesh: Mesh) -> Any:
+  """Param shardings with the "fsdp" axis removed (tensor sharding kept).
+
+  The layout the train step all-gathers the params into right before the
+  forward (FSDP / ZeRO-3: params, grads and optimizer state are stored
+  sharded over "fsdp"; the gradient of the gather is a reduce-scatter).
+
+  Args:
+    model_config: an `rlx.policy.ModelConfig`.
+    mesh: a mesh from `make_mesh`.
+
+  Returns:
+    A pytree with the structure of the params whose leaves are `NamedSharding`.
+  """
+
+  def drop_fsdp(entry):
+    if isinstance(entry, tuple):
+      kept = tuple(a for a in entry if a != "fsdp")
+      return kept if len(kept) > 1 else (kept[0] if kept else None)
+    return None if entry == "fsdp" else entry
+
+  return jax.tree.map(
+    lambda spec: NamedSharding(mesh, PartitionSpec(*(drop_fsdp(e) for e in spec))),
+    policy.partition_rules(model_config, mesh),
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
+
+
 def shard_params(params: Any, model_config: Any, mesh: Mesh) -> Any:
   """Places `params` on `mesh` by the policy's partition rules.
 
@@ -209,6 +237,31 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, process_local: bool = F
     sharding = batch_sharding(mesh, np.ndim(value))
     if process_local:
       out[key] = jax.make_array_from_process_local_data(sharding, np.asarray(value))
+    else:
+      out[key] = _put(value, sharding)
+  return out
+
+
+def place_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
+  """Like `shard_batch` (global data), but leaves correctly sharded arrays alone.
+
+  Used on entry of the jitted step functions, so callers may pass numpy
+  arrays, arrays on one device, or arrays already from `shard_batch`.
+  """
+  shards = batch_axis_size(mesh)
+  out = {}
+  for key, value in batch.items():
+    shape = np.shape(value)
+    if not shape:
+      raise ValueError(f"Batch array `{key}` must have a leading batch dimension, got a scalar.")
+    if shape[0] % shards:
+      raise ValueError(
+        f"Batch array `{key}` has {shape[0]} rows, not divisible by the number of batch "
+        f"shards data x fsdp = {shards}."
+      )
+    sharding = batch_sharding(mesh, len(shape))
+    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
+      out[key] = value
     else:
       out[key] = _put(value, sharding)
   return out

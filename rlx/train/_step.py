@@ -59,16 +59,18 @@ class TrainStep:
   """`train_step(state, batch) -> (state, metrics)`, from `make_train_step`.
 
   Calling it runs ONE jitted function (`self.jitted`) with explicit in/out
-  shardings that donates `state`. With `nonfinite="raise"` the call also
+  shardings that donates `state`; batch arrays not yet sharded along the
+  batch axes (numpy, one device) are placed first. With `nonfinite="raise"` the call also
   checks the `skipped` metric on host and raises `NonFiniteError`.
   """
 
-  def __init__(self, jitted: Any, nonfinite: str):
+  def __init__(self, jitted: Any, nonfinite: str, mesh: Mesh):
     self.jitted = jitted
+    self.mesh = mesh
     self._raise = nonfinite == "raise"
 
   def __call__(self, state: _state.TrainState, batch: Mapping[str, jax.Array]):
-    state, metrics = self.jitted(state, dict(batch))
+    state, metrics = self.jitted(state, _mesh.place_batch(batch, self.mesh))
     if self._raise:
       skipped = int(np.asarray(metrics["skipped"].addressable_data(0)))
       if skipped:
@@ -82,7 +84,7 @@ class TrainStep:
 
   def lower(self, state: _state.TrainState, batch: Mapping[str, jax.Array]):
     """`jax.stages.Lowered` of the step (e.g. to inspect the compiled HLO)."""
-    return self.jitted.lower(state, dict(batch))
+    return self.jitted.lower(state, _mesh.place_batch(batch, self.mesh))
 
 
 def make_train_step(
@@ -108,7 +110,7 @@ def make_train_step(
     old_logp      f32[B, S]   anchor log-probs (`compute_logprobs` with the
                               params at the start of the iteration).
     rollout_logp  f32[B, S]   optional; sampler log-probs (needed by rollout
-                              correction / M2PO; gives mismatch metrics).
+                              correction / M2PO / VCPO; gives mismatch metrics).
     ref_logp      f32[B, S]   optional; reference log-probs (needed if kl_coef > 0).
     positions, segment_ids  i32[B, S]  optional; passed to the policy forward.
 
@@ -118,10 +120,11 @@ def make_train_step(
     (token mean), the `PolicyLossMetrics` fields (clip fractions, approx_kl,
     ratio_mean, ratio_max = max, is_weight_mean), rollout-correction metrics
     (`rollout_correction/*`) or mismatch_k1/k3 when rollout_logp is given,
-    bapo_c_low/c_high/positive_share, m2po_masked_frac, grad_norm (before clipping),
-    update_norm, param_norm (after the step), learning_rate, tokens (valid
-    loss tokens in the batch), skipped (updates skipped in this step),
-    skipped_total, step (the step index that ran).
+    bapo_c_low/c_high/positive_share, m2po_masked_frac, vcpo_ess,
+    vcpo_lr_factor, grad_norm (before clipping), update_norm, param_norm
+    (after the step), learning_rate, tokens (valid loss tokens in the
+    batch), skipped (updates skipped in this step), skipped_total, step (the
+    step index that ran).
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
@@ -143,7 +146,8 @@ def make_train_step(
   p_shardings = shardings.params
   batch_spec = PartitionSpec(_mesh.BATCH_AXES)
   num_shards = _mesh.batch_axis_size(mesh)
-  loss_fn = _make_loss_fn(model_config, cfg)
+  gathered = _mesh.gathered_param_shardings(model_config, mesh) if cfg.gather_fsdp_params else None
+  loss_fn = _make_loss_fn(model_config, cfg, gathered)
 
   def shard_rows(x: jax.Array) -> jax.Array:
     """Constrains a [n, b, ...] stack of batches to shard b over the batch axes."""
@@ -165,11 +169,11 @@ def make_train_step(
 
   def update(carry, mini):
     """One optimizer update on one mini-batch (micro-batched grad accumulation)."""
-    params, opt_state, skipped = carry
+    params, opt_state, skipped, lr_factor = carry
     agg_scale = objectives.aggregate_scale(mini["loss_mask"], cfg.agg)
     bounds = {}
     if cfg.use_bapo:
-      bounds = _bapo_bounds(params, mini, model_config, cfg, split)
+      bounds = _bapo_bounds(params, mini, model_config, cfg, split, gathered)
     micros = split(mini, cfg.micro_batches)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, p_shardings)
@@ -186,6 +190,8 @@ def make_train_step(
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    if cfg.use_vcpo:
+      updates = jax.tree.map(lambda u: u * lr_factor.astype(u.dtype), updates)
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(finite, new, old)
     new_params = jax.tree.map(keep, new_params, params)
@@ -200,7 +206,7 @@ def make_train_step(
       if name in bounds:
         metrics[f"bapo_{name}"] = jnp.asarray(bounds[name], jnp.float32)
     skipped = skipped + (~finite).astype(jnp.int32)
-    return (new_params, new_opt_state, skipped), metrics
+    return (new_params, new_opt_state, skipped, lr_factor), metrics
 
   def step_fn(state: _state.TrainState, batch: dict):
     data, pre_metrics = _prepare_batch(batch, cfg, num_shards)
@@ -215,8 +221,9 @@ def make_train_step(
         shuffled = data
       return jax.lax.scan(update, carry, split(shuffled, cfg.mini_batches))
 
-    carry = (state.params, state.opt_state, state.skipped)
-    (params, opt_state, skipped), per_update = jax.lax.scan(
+    lr_factor = pre_metrics.get("vcpo_lr_factor", jnp.ones((), jnp.float32))
+    carry = (state.params, state.opt_state, state.skipped, lr_factor)
+    (params, opt_state, skipped, _), per_update = jax.lax.scan(
       epoch, carry, jnp.arange(cfg.ppo_epochs)
     )
     metrics = {
@@ -239,7 +246,7 @@ def make_train_step(
     out_shardings=(shardings, _mesh.replicated(mesh)),
     donate_argnums=(0,) if donate else (),
   )
-  return TrainStep(jitted, cfg.nonfinite)
+  return TrainStep(jitted, cfg.nonfinite, mesh)
 
 
 def _update_count(opt_state: Any) -> jax.Array:
@@ -284,9 +291,9 @@ def _prepare_batch(batch: dict, cfg: ml_collections.ConfigDict, num_shards: int)
       f"Batch size {shape[0]} must be divisible by mini_batches ({cfg.mini_batches}) x "
       f"micro_batches ({cfg.micro_batches}) x data x fsdp ({num_shards}) = {parts}."
     )
-  needs_rollout = cfg.use_rollout_correction or cfg.use_m2po
+  needs_rollout = cfg.use_rollout_correction or cfg.use_m2po or cfg.use_vcpo
   if needs_rollout and "rollout_logp" not in batch:
-    raise ValueError("`rollout_logp` is required by use_rollout_correction / use_m2po.")
+    raise ValueError("`rollout_logp` is required by use_rollout_correction / use_m2po / use_vcpo.")
   if cfg.kl_coef > 0 and "ref_logp" not in batch:
     raise ValueError("`ref_logp` is required when kl_coef > 0 (see compute_logprobs).")
 
@@ -299,7 +306,7 @@ def _prepare_batch(batch: dict, cfg: ml_collections.ConfigDict, num_shards: int)
     rollout_logp = batch["rollout_logp"].astype(jnp.float32)
     if cfg.use_m2po:
       m2po_kwargs = _config.to_kwargs(cfg.m2po_kwargs)
-      new_mask = objectives.m2po_mask(old_logp, rollout_logp, mask, **m2po_kwargs)
+      new_mask = objectives.m2po_mask(old_logp, rollout_logp, mask, **m2po_kwargs) != 0
       n_valid = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
       metrics["m2po_masked_frac"] = jnp.sum(mask & ~new_mask) / n_valid
       mask = new_mask
@@ -311,7 +318,14 @@ def _prepare_batch(batch: dict, cfg: ml_collections.ConfigDict, num_shards: int)
       mask = mask & (new_mask != 0)
       for name, value in rc_metrics._asdict().items():
         metrics[f"rollout_correction/{name}"] = jnp.asarray(value, jnp.float32)
-    else:
+    if cfg.use_vcpo:
+      # Sequence IS weights of the behaviour policy: prod_t pi_old / pi_rollout.
+      seq_log_w = jnp.sum(jnp.where(mask, old_logp - rollout_logp, 0.0), axis=1)
+      seq_w = jnp.exp(jnp.clip(seq_log_w, -20.0, 20.0))
+      ess, lr_factor = objectives.vcpo_lr_factor(seq_w, valid=jnp.any(mask, axis=1))
+      metrics["vcpo_ess"] = ess
+      metrics["vcpo_lr_factor"] = lr_factor
+    if not cfg.use_rollout_correction:
       for kind in ("k1", "k3"):
         per_token = objectives.kl_penalty(rollout_logp, old_logp, kind, mask=mask)
         metrics[f"mismatch_{kind}"] = objectives.aggregate(per_token, mask, "token-mean")
@@ -334,7 +348,18 @@ def _prepare_batch(batch: dict, cfg: ml_collections.ConfigDict, num_shards: int)
   return data, metrics
 
 
-def _token_logprobs(params, data: dict, model_config: Any, cfg: ml_collections.ConfigDict):
+def _token_logprobs(
+  params, data: dict, model_config: Any, cfg: ml_collections.ConfigDict, gathered: Any = None
+):
+  """`rlx.policy.token_logprobs` on a (micro-)batch dict, params gathered first.
+
+  With `gathered` (shardings without "fsdp"), the FSDP-sharded params are
+  all-gathered before the forward so the activations stay batch-sharded;
+  without it XLA may instead keep the weights' model-dim sharding and
+  replicate the batch (much more communication).
+  """
+  if gathered is not None:
+    params = jax.lax.with_sharding_constraint(params, gathered)
   kwargs = {}
   if cfg.logprob_chunk_size:
     kwargs["chunk_size"] = int(cfg.logprob_chunk_size)
@@ -350,7 +375,7 @@ def _token_logprobs(params, data: dict, model_config: Any, cfg: ml_collections.C
   )
 
 
-def _make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict):
+def _make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict, gathered: Any):
   """`loss_fn(params, micro, agg_scale, bounds) -> (loss, aux)` for one micro-batch."""
   policy_loss = objectives.POLICY_LOSSES[cfg.loss]
   loss_kwargs = _config.to_kwargs(cfg.loss_kwargs)
@@ -360,7 +385,7 @@ def _make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict):
 
   def loss_fn(params, micro, agg_scale, bounds):
     mask = micro["loss_mask"]
-    logp, entropy = _token_logprobs(params, micro, model_config, cfg)
+    logp, entropy = _token_logprobs(params, micro, model_config, cfg, gathered)
     if entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
     kwargs = dict(loss_kwargs)
@@ -424,11 +449,11 @@ def _combine_micro_metrics(aux: dict) -> dict:
   return out
 
 
-def _bapo_bounds(params, mini: dict, model_config: Any, cfg, split) -> dict:
+def _bapo_bounds(params, mini: dict, model_config: Any, cfg, split, gathered) -> dict:
   """BAPO clip bounds from a no-grad forward over the whole mini-batch."""
 
   def forward(_, micro):
-    logp, _ = _token_logprobs(params, micro, model_config, cfg)
+    logp, _ = _token_logprobs(params, micro, model_config, cfg, gathered)
     return None, jax.lax.stop_gradient(logp)
 
   _, logp = jax.lax.scan(forward, None, split(mini, cfg.micro_batches))

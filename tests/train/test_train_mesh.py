@@ -82,6 +82,7 @@ def test_shard_batch_splits_rows_over_data_and_fsdp():
 
 def test_make_schedule_constant_and_warmup_cosine():
   cfg = tl.train_config()
+  cfg.optimizer.learning_rate = 1e-2
   cfg.optimizer.schedule = "constant"
   cfg.optimizer.warmup_steps = 4
   schedule = train.make_schedule(cfg)

@@ -71,7 +71,7 @@ def test_params_actually_move_and_metrics_are_reported():
   # On-policy first update: ratio == 1, nothing clipped, lr = warmup 0 at update 0.
   np.testing.assert_allclose(first["ratio_mean"], 1.0, atol=1e-6)
   assert first["clip_frac_low"] == first["clip_frac_high"] == 0.0
-  assert first["learning_rate"] == 0.0 and history[1]["learning_rate"] == pytest.approx(5e-3)
+  assert first["learning_rate"] == 0.0 and history[1]["learning_rate"] == pytest.approx(5e-4)
   assert first["entropy"] > 0 and first["grad_norm"] > 0 and first["skipped"] == 0
   assert [h["step"] for h in history] == [0, 1, 2]
 
@@ -151,7 +151,7 @@ def test_nan_batch_is_skipped_and_reported():
 
 def test_nonfinite_raise_mode():
   m, cfg, step_fn, logprobs = tl.fns("single")
-  raising = train.TrainStep(step_fn.jitted, "raise")
+  raising = train.TrainStep(step_fn.jitted, "raise", m)
   state = tl.init_state(m, cfg)
   before = tl.host_params(state)
   with pytest.raises(train.NonFiniteError, match="non-finite") as info:
@@ -174,6 +174,7 @@ def test_bapo_m2po_correction_kl_entropy_compose():
     use_bapo=True,
     use_m2po=True,
     use_rollout_correction=True,
+    use_vcpo=True,
     kl_coef=0.1,
     kl_kind="k3+",
     entropy_coef=0.01,
@@ -200,6 +201,9 @@ def test_bapo_m2po_correction_kl_entropy_compose():
   assert 0 <= metrics["m2po_masked_frac"] < 1
   assert "rollout_correction/ess" in metrics and "mismatch_k1" not in metrics
   assert metrics["is_weight_mean"] != 1.0
+  assert 0 < metrics["vcpo_ess"] <= 1 and metrics["vcpo_lr_factor"] == pytest.approx(
+    np.sqrt(metrics["vcpo_ess"]), rel=1e-5
+  )
 
 
 def test_compute_logprobs_matches_policy_forward():
@@ -231,6 +235,8 @@ def test_batch_validation_errors():
     tl.fns("single", kl_coef=0.1)[2](state, good)
   with pytest.raises(ValueError, match="divisible by mini_batches"):
     tl.fns("single", mini_batches=3)[2](state, good)
+  with pytest.raises(ValueError, match="`tokens` has 12 rows, not divisible"):
+    tl.fns("data8")[2](state, {k: v[:12] for k, v in good.items()})
   with pytest.raises(ValueError, match="config.loss"):
     train.make_train_step(tl.model_config(), tl.train_config(loss="trpo"), m)
   with pytest.raises(ValueError, match="use_bapo"):

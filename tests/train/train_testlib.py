@@ -38,9 +38,9 @@ def model_config() -> policy.ModelConfig:
 
 
 def train_config(**overrides: Any):
-  """The default train config with a larger lr (so 3 steps move the params)."""
+  """The default train config with lr 1e-3, warmup 2, cosine decay, weight decay."""
   cfg = train.get_config()
-  cfg.optimizer.learning_rate = 1e-2
+  cfg.optimizer.learning_rate = 1e-3
   cfg.optimizer.warmup_steps = 2
   cfg.optimizer.schedule = "warmup_cosine"
   cfg.optimizer.decay_steps = 20
