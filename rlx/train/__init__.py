@@ -18,6 +18,7 @@ from rlx.train._checkpoint import (
 )
 from rlx.train._config import (
   get_config,
+  resolve_agg,
   validate_config,
 )
 from rlx.train._distributed import (
@@ -33,6 +34,7 @@ from rlx.train._mesh import (
   MESH_AXES,
   batch_axis_size,
   batch_sharding,
+  gathered_param_shardings,
   make_mesh,
   opt_state_shardings,
   param_shardings,

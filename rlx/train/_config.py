@@ -9,6 +9,7 @@ the experiment configs that start from these defaults, e.g.
   config.loss_kwargs = {"clip_high": 0.28}
 """
 
+import inspect
 from typing import Any
 
 import ml_collections
@@ -36,8 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
   # empty = the loss's own defaults.
   c.loss_kwargs = ml_collections.ConfigDict()
   # Loss aggregation mode (rlx.objectives.aggregate), also used for the KL and
-  # entropy terms.
-  c.agg = "token-mean"
+  # entropy terms; "default" = the policy loss's own default `agg` (e.g.
+  # seq-mean-token-mean for gspo, token-mean for ppo).
+  c.agg = "default"
   # BAPO adaptive clip bounds (rlx.objectives.bapo_clip_bounds), computed inside
   # the step on each mini-batch and passed to the loss as clip bounds. Only for
   # loss="ppo".
@@ -111,7 +113,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
       f"`config.loss` must be one of {sorted(objectives.POLICY_LOSSES)}, got {config.loss!r}."
     )
-  _choice(config.agg, AGG_MODES, "config.agg")
+  _choice(config.agg, AGG_MODES + ("default",), "config.agg")
   _choice(config.kl_kind, KL_KINDS, "config.kl_kind")
   _choice(config.optimizer.schedule, SCHEDULES, "config.optimizer.schedule")
   _choice(config.nonfinite, NONFINITE_MODES, "config.nonfinite")
@@ -136,6 +138,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       f"`config.optimizer.decay_steps` ({opt.decay_steps}) must exceed warmup_steps "
       f"({opt.warmup_steps}) for the warmup_cosine schedule."
     )
+
+
+def resolve_agg(config: ml_collections.ConfigDict) -> str:
+  """The aggregation mode of a config: `config.agg`, or the loss's default."""
+  if config.agg != "default":
+    return config.agg
+  parameter = inspect.signature(objectives.POLICY_LOSSES[config.loss]).parameters.get("agg")
+  if parameter is None or parameter.default not in AGG_MODES:
+    raise ValueError(
+      f"Loss {config.loss!r} has no default `agg`; set config.agg to one of {AGG_MODES}."
+    )
+  return parameter.default
 
 
 def to_kwargs(section: Any) -> dict:

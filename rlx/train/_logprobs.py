@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float
 
 from rlx.train import _config, _mesh, _state, _step
 
@@ -23,7 +24,7 @@ class ComputeLogprobs:
     self._micro_batches = micro_batches
     self._num_shards = _mesh.batch_axis_size(mesh)
 
-  def __call__(self, params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+  def __call__(self, params: Any, batch: Mapping[str, jax.Array]) -> Float[Array, "B S"]:
     if isinstance(params, _state.TrainState):
       params = params.params
     if "tokens" not in batch or "loss_mask" not in batch:

@@ -102,6 +102,21 @@ def make_train_step(
   bonus (see `get_config`). Changing the loss changes only what is traced:
   the step is always this one compiled function.
 
+  Per optimizer update, with the mini-batch's denominator Z =
+  aggregate_scale(mask, agg) and micro-batches m:
+    loss = sum_m [ L_policy(m; agg_scale=Z) + kl_coef * agg(KL(m), Z)
+                   - entropy_coef * agg(H(m), Z) ]
+  which equals the un-split mini-batch's loss (and gradient) for every
+  aggregation mode. Exception: ASPO's top-20%-entropy threshold is computed
+  by the loss per micro-batch, so ASPO with micro_batches > 1 differs slightly.
+  Update: params <- AdamW(clip_by_global_norm(grad)), skipped (params and
+  optimizer state kept) if the loss or the gradient norm is not finite.
+
+  References: PPO epochs / mini-batches (Schulman et al. 2017,
+  https://arxiv.org/abs/1707.06347); FSDP / ZeRO-3 sharding (Rajbhandari et
+  al. 2020, https://arxiv.org/abs/1910.02054); gradient accumulation with the
+  global token count (verl `agg_loss`).
+
   Batch (a dict; B = sequences, S = padded sequence length; B must be
   divisible by mini_batches x micro_batches x data x fsdp):
     tokens        i32[B, S]   prompt + response + right padding.
@@ -147,6 +162,7 @@ def make_train_step(
   batch_spec = PartitionSpec(_mesh.BATCH_AXES)
   num_shards = _mesh.batch_axis_size(mesh)
   gathered = _mesh.gathered_param_shardings(model_config, mesh) if cfg.gather_fsdp_params else None
+  agg = _config.resolve_agg(cfg)
   loss_fn = _make_loss_fn(model_config, cfg, gathered)
 
   def shard_rows(x: jax.Array) -> jax.Array:
@@ -170,7 +186,7 @@ def make_train_step(
   def update(carry, mini):
     """One optimizer update on one mini-batch (micro-batched grad accumulation)."""
     params, opt_state, skipped, lr_factor = carry
-    agg_scale = objectives.aggregate_scale(mini["loss_mask"], cfg.agg)
+    agg_scale = objectives.aggregate_scale(mini["loss_mask"], agg)
     bounds = {}
     if cfg.use_bapo:
       bounds = _bapo_bounds(params, mini, model_config, cfg, split, gathered)
@@ -379,7 +395,7 @@ def _make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict, gathered: A
   """`loss_fn(params, micro, agg_scale, bounds) -> (loss, aux)` for one micro-batch."""
   policy_loss = objectives.POLICY_LOSSES[cfg.loss]
   loss_kwargs = _config.to_kwargs(cfg.loss_kwargs)
-  agg = cfg.agg
+  agg = _config.resolve_agg(cfg)
   kl_coef = float(cfg.kl_coef)
   entropy_coef = float(cfg.entropy_coef)
 

@@ -16,6 +16,7 @@ PUBLIC = (
   "abstract_train_state",
   "batch_axis_size",
   "batch_sharding",
+  "gathered_param_shardings",
   "create_train_state",
   "get_config",
   "initialize_distributed",
@@ -27,6 +28,7 @@ PUBLIC = (
   "opt_state_shardings",
   "param_shardings",
   "replicated",
+  "resolve_agg",
   "shard_batch",
   "shard_params",
   "to_host",
@@ -53,3 +55,14 @@ def test_default_config_validates_and_names_bad_fields():
   config.nonfinite = "ignore"
   with pytest.raises(ValueError, match="config.nonfinite"):
     rlx.train.validate_config(config)
+
+
+def test_default_agg_is_the_losses_own_default():
+  config = rlx.train.get_config()
+  assert config.agg == "default"
+  config.loss = "gspo"
+  assert rlx.train.resolve_agg(config) == "seq-mean-token-mean"
+  config.loss = "ppo"
+  assert rlx.train.resolve_agg(config) == "token-mean"
+  config.agg = "seq-mean-token-sum-norm"
+  assert rlx.train.resolve_agg(config) == "seq-mean-token-sum-norm"

@@ -74,6 +74,10 @@ def test_shard_batch_splits_rows_over_data_and_fsdp():
     assert value.sharding.spec[0] == ("data", "fsdp")
     # 4 batch shards of 4 rows; each row block is replicated over "tensor".
     assert {s.data.shape[0] for s in value.addressable_shards} == {4}
+  # One process: its local rows are the whole global batch.
+  local = train.shard_batch(batch, m, process_local=True)
+  np.testing.assert_array_equal(np.asarray(local["tokens"]), batch["tokens"])
+  assert local["tokens"].sharding.is_equivalent_to(out["tokens"].sharding, 2)
   with pytest.raises(ValueError, match="divisible by the number of batch shards"):
     train.shard_batch({"tokens": np.zeros((6, 3))}, m)
   with pytest.raises(ValueError, match="same leading batch size"):
