@@ -1,4 +1,4 @@
-"""Two processes joined by jax.distributed (CPU gloo) train exactly like one process."""
+"""Two processes joined by jax.distributed (CPU gloo) train and checkpoint like one process."""
 
 import json
 import os
@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 import train_testlib as tl
+
+from rlx import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,6 +36,7 @@ def test_two_processes_match_one_process(tmp_path):
         str(i),
         str(steps),
         str(tmp_path / f"out{i}.json"),
+        str(tmp_path / "ckpt"),
       ],
       env=env,
       stdout=subprocess.PIPE,
@@ -54,8 +57,17 @@ def test_two_processes_match_one_process(tmp_path):
     assert p.returncode == 0, output[-4000:]
   got = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
   assert got[0] == got[1]  # replicated metrics agree across processes
-  _, want = tl.run_steps("single", steps)
+  single, want = tl.run_steps("single", steps)
   for g, w in zip(got[0], want, strict=True):
     for name in ("loss", "policy_loss", "grad_norm", "param_norm", "entropy"):
       np.testing.assert_allclose(g[name], w[name], rtol=1e-5, err_msg=name)
     assert g["tokens"] == w["tokens"] and g["skipped"] == 0
+  # The checkpoint both processes wrote together restores in this one process.
+  m, cfg, _, _ = tl.fns("single")
+  with train.Checkpointer(tmp_path / "ckpt") as ckpt:
+    restored = ckpt.restore(train.abstract_train_state(tl.model_config(), cfg, m))
+  assert restored.step == steps and restored.data_cursor == {"next_batch": steps}
+  for got_leaf, want_leaf in zip(
+    tl.host_params(restored.state), tl.host_params(single), strict=True
+  ):
+    np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5)
