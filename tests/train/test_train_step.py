@@ -85,6 +85,16 @@ def test_micro_batched_equals_full_batch():
       np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6, err_msg=name)
 
 
+def test_micro_batched_equals_full_batch_seq_mean_token_mean():
+  """The mini-batch denominator makes micro-batching exact for sequence means too."""
+  _, full = tl.run_steps("single", 1, agg="seq-mean-token-mean")
+  _, micro = tl.run_steps("single", 1, agg="seq-mean-token-mean", micro_batches=4)
+  for name in ("loss", "policy_loss", "entropy_loss", "grad_norm"):
+    np.testing.assert_allclose(micro[0][name], full[0][name], rtol=1e-6, err_msg=name)
+  # ... and it is a different quantity from the token mean.
+  assert abs(full[0]["loss"] - _single_device_run()[1][0]["loss"]) > 1e-4
+
+
 def test_epochs_and_shuffled_mini_batches_equal_sequential_updates():
   """2 epochs x 2 shuffled mini-batches == 4 one-update steps on those mini-batches.
 
