@@ -181,6 +181,18 @@ def _paged_attention_gpu(
       raise ValueError(
         f"The GPU (Triton) paged-attention kernel needs a power-of-two {name}, got {value}."
       )
+  # Triton's `tl.dot` needs every operand dim >= 16 (M is padded to block_h >= 16 below).
+  # Checked in interpret mode too, which would otherwise run tiles the GPU cannot.
+  block_tokens = ppcb * page_size
+  for name, value in (
+    ("head_dim", head_dim),
+    ("pages_per_compute_block * page_size", block_tokens),
+  ):
+    if value < 16:
+      raise ValueError(
+        f"The GPU (Triton) paged-attention kernel needs {name} >= 16 (Triton dot), got "
+        f"{value}; raise pages_per_compute_block, or use impl='pallas_tpu' or 'xla'."
+      )
   pages_per_split = block_sizes.pages_per_split
   if pages_per_split is None:
     # Split-K pays when batch * kv_heads programs cannot fill the SMs: aim for
@@ -405,11 +417,16 @@ def _paged_attention_jit(
   interpret,
   block_sizes,
 ):
+  _, total_pages, page_size, _ = k_pages.shape
+  # Under jit `lengths` cannot be checked; clamp it into [0, capacity] so that all impls
+  # agree and no kernel reads past the page table: otherwise the TPU index maps read
+  # SMEM out of bounds (a garbage page index for the DMA) and the GPU kernel attends to
+  # its zero-padded table entries as if they were real pages.
+  lengths = jnp.clip(lengths, 0, page_table.shape[1] * page_size)
   if impl == "xla":
     return _reference_math(
       q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale
     )
-  _, total_pages, page_size, _ = k_pages.shape
   page_table = _sanitize_page_table(page_table, lengths, page_size, total_pages)
   scales = jnp.stack([k_scale, v_scale], axis=1)  # [Hkv, 2]
   if impl == "pallas_gpu":
@@ -462,7 +479,8 @@ def paged_attention(
     "pallas_gpu": Pallas Triton kernel (grid over batch x KV head x split-K
       partitions, `pages_per_compute_block` pages gathered per loop step; the
       split partial results are merged with a log-sum-exp in XLA). Needs a
-      power-of-two page_size and D (Triton block sizes). Runs on CPU with
+      power-of-two page_size and D, with D >= 16 and `pages_per_compute_block *
+      page_size` >= 16 (Triton block and dot sizes). Runs on CPU with
       `interpret=True`.
     "pallas_tpu": Pallas Mosaic kernel (`PrefetchScalarGridSpec`: lengths and
       page table are scalar-prefetched into SMEM and drive the BlockSpec index
@@ -472,8 +490,9 @@ def paged_attention(
   K/V positions >= lengths[b] (and pages past the last used one) are masked with
   `where` before any dot, so garbage there, even NaN, never reaches the output.
   Under `jit` lengths cannot be checked; a row with length 0 (an idle sampler
-  slot) then yields zeros, and used page-table entries outside [0, P) are
-  clamped into range (checked eagerly when concrete).
+  slot) then yields zeros, a length above capacity is clamped to capacity, and
+  used page-table entries outside [0, P) are clamped into range (all checked
+  eagerly when concrete).
   Scales are traced arrays: changing their values never recompiles.
 
   Args:

@@ -186,6 +186,42 @@ def test_idle_slot_with_length_zero_under_jit_gives_zeros(impl):
   np.testing.assert_allclose(out[[0, 2, 3]], np.asarray(want)[[0, 2, 3]], atol=2e-5)
 
 
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "xla"])
+def test_length_over_capacity_under_jit_is_clamped_to_capacity(impl):
+  # Regression: under jit (no eager check) a length > capacity made the TPU index maps read
+  # the SMEM page table out of bounds (3 pages, 2 per block -> page slot 3) and the GPU
+  # kernel attend to its zero-padded table entry (3 pages padded to a split of 4).
+  interpret = {"pallas_gpu": True, "pallas_tpu": pltpu.InterpretParams(), "xla": False}[impl]
+  q, kp, vp, lengths, table, _, _ = make_inputs("float32", 1, 16, 64, seed=9)
+  capacity = PAGES_PER_SEQUENCE * 16
+  bs = PagedAttentionBlockSizes(pages_per_compute_block=2, pages_per_split=4)
+  run = jax.jit(
+    lambda lengths: paged_attention(
+      q, kp, vp, lengths, table, impl=impl, interpret=interpret, block_sizes=bs
+    )
+  )
+  over = jnp.asarray([capacity + 5, 1, capacity + 17, capacity], jnp.int32)
+  want = paged_attention_reference(q, kp, vp, jnp.minimum(over, capacity), table)
+  np.testing.assert_allclose(np.asarray(run(over)), np.asarray(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+  ("page_size", "head_dim", "match"),
+  [(8, 64, "pages_per_compute_block \\* page_size >= 16"), (16, 8, "head_dim >= 16")],
+)
+def test_gpu_kernel_rejects_tiles_below_the_triton_dot_minimum(page_size, head_dim, match):
+  # Triton's dot needs every dim >= 16; interpret mode would otherwise accept such tiles.
+  pages = jnp.zeros((NUM_KV_HEADS, NUM_PAGES, page_size, head_dim), jnp.float32)
+  q = jnp.zeros((4, NUM_KV_HEADS, head_dim), jnp.float32)
+  lengths = jnp.asarray([1, 2, 3, 4], jnp.int32)
+  table = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
+  bs = PagedAttentionBlockSizes(pages_per_compute_block=1)
+  with pytest.raises(ValueError, match=match):
+    paged_attention(
+      q, pages, pages, lengths, table, impl="pallas_gpu", interpret=True, block_sizes=bs
+    )
+
+
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_permuting_pool_and_page_table_leaves_output_unchanged(impl):
   interpret = True if impl == "pallas_gpu" else pltpu.InterpretParams()
