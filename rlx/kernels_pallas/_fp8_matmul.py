@@ -147,6 +147,13 @@ def validate_fp8_matmul_inputs(x_q, x_scale, w_q, w_scale):
       raise ValueError(f"`{name}` must be a float array, got {s.dtype}.")
 
 
+def _check_out_dtype(out_dtype):
+  if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating) or is_fp8(out_dtype):
+    raise ValueError(
+      f"`out_dtype` must be a float dtype (e.g. bfloat16, float32), got {jnp.dtype(out_dtype)}."
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "interpret", "block_m"))
 def _fp8_matmul_jit(x_q, x_scale, w_q, w_scale, *, out_dtype, impl, interpret, block_m):
   if impl == "xla":
@@ -198,6 +205,7 @@ def fp8_blockwise_matmul(
     `[M, N]` in `out_dtype`.
   """
   validate_fp8_matmul_inputs(x_q, x_scale, w_q, w_scale)
+  _check_out_dtype(out_dtype)
   if impl not in IMPLS:
     raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}.")
   if block_m < 16 or block_m & (block_m - 1):
@@ -259,4 +267,5 @@ def fp8_blockwise_matmul_reference(
     `[M, N]` in `out_dtype`.
   """
   validate_fp8_matmul_inputs(x_q, x_scale, w_q, w_scale)
+  _check_out_dtype(out_dtype)
   return _reference_math(x_q, x_scale, w_q, w_scale).astype(out_dtype)

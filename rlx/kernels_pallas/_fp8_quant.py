@@ -9,6 +9,11 @@ cast, so values far beyond range become +-fmax instead of inf/NaN.
 
 Shapes that are not multiples of the block size are allowed: the last (partial)
 block gets its own scale computed over its real elements only.
+
+Non-finite inputs are not saturated: a block holding +-inf gets scale inf (its
+finite values quantize to 0 and the inf to NaN), a block holding NaN gets scale
+NaN, so the whole block dequantizes to NaN and the problem stays visible instead
+of being clamped into plausible numbers. Signed zeros are kept (-0 -> -0).
 """
 
 import jax.numpy as jnp

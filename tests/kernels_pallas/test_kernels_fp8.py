@@ -151,6 +151,30 @@ def test_matmul_invalid_inputs(args, match):
     fp8_blockwise_matmul_reference(*args(q))
 
 
+def test_matmul_rejects_non_float_out_dtype():
+  # Regression: an integer (or FP8) out_dtype used to be a silent, unsaturated cast.
+  _, _, *q = _quantized(8, 128, 128)
+  for out_dtype in (jnp.int8, jnp.float8_e4m3fn):
+    with pytest.raises(ValueError, match="out_dtype"):
+      fp8_blockwise_matmul(*q, out_dtype=out_dtype)
+    with pytest.raises(ValueError, match="out_dtype"):
+      fp8_blockwise_matmul_reference(*q, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantizers_keep_signed_zero_and_make_non_finite_blocks_nan(dtype):
+  x = jnp.asarray([[-0.0, -0.0, 1.0, 2.0], [np.inf, 1.0, np.nan, 1.0]], jnp.float32)
+  xq, xs = quantize_fp8_per_token_group(x, group=2, dtype=dtype)
+  assert np.signbit(np.asarray(xq[0, :2].astype(jnp.float32))).all()  # -0 stays -0
+  np.testing.assert_allclose(np.asarray(xs[0]), [1e-10 / fp8_max(dtype), 2 / fp8_max(dtype)])
+  assert np.isinf(np.asarray(xs[1, 0])) and np.isnan(np.asarray(xs[1, 1]))
+  with np.errstate(invalid="ignore"):  # 0 * inf
+    deq = np.asarray(xq.astype(jnp.float32)) * np.repeat(np.asarray(xs), 2, axis=1)
+  assert np.isnan(deq[1]).all()  # never clamped into plausible finite numbers
+  wq, ws = quantize_fp8_blockwise(x, block=(2, 2), dtype=dtype)
+  assert np.isnan(np.asarray(dequantize_fp8_blockwise(wq, ws, (2, 2)))[1]).all()
+
+
 def test_quantizer_invalid_inputs():
   with pytest.raises(ValueError, match="rank 2"):
     quantize_fp8_blockwise(jnp.ones((4,)))
