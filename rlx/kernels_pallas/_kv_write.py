@@ -113,8 +113,11 @@ def write_kv_pages(
     )
   if num_new is None:
     num_new = jnp.full((batch,), num_tokens, jnp.int32)
-  elif np.shape(num_new) != (batch,):
-    raise ValueError(f"`num_new` must have shape ({batch},), got {tuple(np.shape(num_new))}.")
+  elif np.shape(num_new) != (batch,) or not jnp.issubdtype(jnp.result_type(num_new), jnp.integer):
+    raise ValueError(
+      f"`num_new` must be integer with shape ({batch},), got "
+      f"{jnp.result_type(num_new)}{tuple(np.shape(num_new))}."
+    )
   capacity = page_table.shape[1] * page_size
   k_scale = _check_scale(k_scale, num_kv_heads, "k_scale", k_pages.dtype)
   v_scale = _check_scale(v_scale, num_kv_heads, "v_scale", k_pages.dtype)

@@ -113,6 +113,7 @@ def test_scale_change_under_jit_does_not_recompile():
     (dict(page_table=jnp.asarray([[1, 2, 9]], jnp.int32), positions=jnp.asarray([8])), "page_"),
     (dict(k_new=jnp.ones((1, 3, D))), "k_new"),
     (dict(num_new=jnp.asarray([2])), "num_new"),
+    (dict(num_new=jnp.asarray([0.5])), "num_new"),  # was silently truncated to 0
     (dict(k_scale=None), "k_scale` is required"),
   ],
 )
