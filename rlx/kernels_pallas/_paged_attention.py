@@ -73,7 +73,7 @@ class PagedAttentionBlockSizes:
       >= `pages_per_compute_block`. TPU: unused (the TPU kernel walks the pages
       of a sequence sequentially).
     min_block_h: GPU only: query heads of one KV group are padded to at least
-      this many rows (Triton `dot` needs M >= 16).
+      this many rows; a power of two >= 16 (Triton `dot` needs M >= 16).
   """
 
   pages_per_compute_block: int | None = None
@@ -207,7 +207,12 @@ def _paged_attention_gpu(
   page_table = jnp.pad(page_table, ((0, 0), (0, padded_pages - pages_per_sequence)))
   page_table = page_table.reshape(batch, num_splits, pages_per_split)
 
-  block_h = max(block_sizes.min_block_h, _next_pow2(group))
+  min_block_h = block_sizes.min_block_h
+  if min_block_h < 16 or min_block_h & (min_block_h - 1):
+    raise ValueError(
+      f"min_block_h must be a power of two >= 16 (Triton block / dot M), got {min_block_h}."
+    )
+  block_h = max(min_block_h, _next_pow2(group))
   q = q.reshape(batch, num_kv_heads, group, head_dim)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
   dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16

@@ -207,7 +207,11 @@ def test_length_over_capacity_under_jit_is_clamped_to_capacity(impl):
 
 @pytest.mark.parametrize(
   ("page_size", "head_dim", "match"),
-  [(8, 64, "pages_per_compute_block \\* page_size >= 16"), (16, 8, "head_dim >= 16")],
+  [
+    (8, 64, "pages_per_compute_block \\* page_size >= 16"),
+    (16, 8, "head_dim >= 16"),
+    (16, 64, "min_block_h must be a power of two >= 16"),
+  ],
 )
 def test_gpu_kernel_rejects_tiles_below_the_triton_dot_minimum(page_size, head_dim, match):
   # Triton's dot needs every dim >= 16; interpret mode would otherwise accept such tiles.
@@ -215,7 +219,8 @@ def test_gpu_kernel_rejects_tiles_below_the_triton_dot_minimum(page_size, head_d
   q = jnp.zeros((4, NUM_KV_HEADS, head_dim), jnp.float32)
   lengths = jnp.asarray([1, 2, 3, 4], jnp.int32)
   table = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
-  bs = PagedAttentionBlockSizes(pages_per_compute_block=1)
+  min_block_h = 8 if "min_block_h" in match else 16
+  bs = PagedAttentionBlockSizes(pages_per_compute_block=1, min_block_h=min_block_h)
   with pytest.raises(ValueError, match=match):
     paged_attention(
       q, pages, pages, lengths, table, impl="pallas_gpu", interpret=True, block_sizes=bs
