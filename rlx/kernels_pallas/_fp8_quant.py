@@ -154,8 +154,11 @@ def dequantize_fp8_blockwise(
   """
   if np.ndim(w_q) != 2:
     raise ValueError(f"`w_q` must have rank 2 [K, N], got shape {tuple(np.shape(w_q))}.")
+  if not isinstance(block, (tuple, list)) or len(block) != 2:
+    raise ValueError(f"`block` must be a pair (bk, bn), got {block!r}.")
+  bk = _check_block(block[0], "block[0]")
+  bn = _check_block(block[1], "block[1]")
   k, n = w_q.shape
-  bk, bn = block
   want = (-(-k // bk), -(-n // bn))
   if tuple(np.shape(w_scale)) != want:
     raise ValueError(f"`w_scale` must have shape {want} for w_q {w_q.shape} and block {block}.")

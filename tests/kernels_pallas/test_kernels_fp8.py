@@ -182,6 +182,8 @@ def test_quantizer_invalid_inputs():
     quantize_fp8_per_token_group(jnp.ones((4, 4)), dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="block"):
     quantize_fp8_blockwise(jnp.ones((4, 4)), block=(0, 128))
+  with pytest.raises(ValueError, match="block"):  # was a ZeroDivisionError
+    dequantize_fp8_blockwise(jnp.ones((4, 4)), jnp.ones((1, 1)), block=(0, 128))
   with pytest.raises(ValueError, match="impl"):
     _, _, *q = _quantized(8, 128, 128)
     fp8_blockwise_matmul(*q, impl="triton")
