@@ -428,10 +428,11 @@ def _paged_attention_jit(
   # SMEM out of bounds (a garbage page index for the DMA) and the GPU kernel attends to
   # its zero-padded table entries as if they were real pages.
   lengths = jnp.clip(lengths, 0, page_table.shape[1] * page_size)
-  if impl == "xla":
-    return _reference_math(
+  if impl == "xla":  # same output dtype as the kernels (q's), whatever the backend
+    out = _reference_math(
       q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale
     )
+    return out.astype(q.dtype)
   page_table = _sanitize_page_table(page_table, lengths, page_size, total_pages)
   scales = jnp.stack([k_scale, v_scale], axis=1)  # [Hkv, 2]
   if impl == "pallas_gpu":

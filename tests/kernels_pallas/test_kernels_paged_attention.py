@@ -265,6 +265,10 @@ def test_auto_on_cpu_is_reference_and_works_under_jit():
   got = paged_attention(q, kp, vp, lengths, table, sm_scale=0.5)
   want = paged_attention_reference(q, kp, vp, lengths, table, sm_scale=0.5)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+  # Regression: the XLA path returned float32 for bf16 q (the kernels return q's dtype),
+  # so the output dtype depended on the backend.
+  got = paged_attention(q.astype(jnp.bfloat16), kp, vp, lengths, table)
+  assert got.dtype == jnp.bfloat16
 
 
 def _valid():
