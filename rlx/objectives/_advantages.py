@@ -36,7 +36,9 @@ def grpo_advantages(
 
   `std` is the *unbiased* (N - 1) standard deviation of the group, as in verl's
   `compute_grpo_outcome_advantage`. A singleton group (G = 1) uses mean 0 and
-  std 1, again as verl does, so its advantage is `s / (1 + eps)` (or `s`).
+  std 1, again as verl does, so its advantage is `s / (1 + eps)` (or `s`). A
+  response at its group mean gets exactly 0, even with `eps = 0` and a group of
+  equal rewards (where the formula would be 0 / 0).
 
   References: Shao et al. 2024, "DeepSeekMath" (GRPO),
   https://arxiv.org/abs/2402.03300; Liu et al. 2025, "Understanding R1-Zero-Like
@@ -63,7 +65,8 @@ def grpo_advantages(
   centered = rewards - mean
   if not normalize_std:
     return centered
-  return centered / (std + eps)
+  # A group of equal rewards gives exactly 0, also with eps = 0 (not 0 / 0 = NaN).
+  return jnp.where(centered == 0, jnp.float32(0.0), centered / (std + eps))
 
 
 def drgrpo_advantages(rewards: Float[Array, "Ng G"]) -> Float[Array, "Ng G"]:

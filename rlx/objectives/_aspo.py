@@ -5,16 +5,27 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_greater, check_non_negative
+from rlx.objectives._checks import check_greater, check_non_negative, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
-from rlx.objectives._policy_inputs import apply_is_weights, prepare_policy_inputs
+from rlx.objectives._policy_inputs import (
+  apply_is_weights,
+  clipped_surrogate,
+  prepare_policy_inputs,
+)
 from rlx.objectives._ratios import masked_log_ratio
 
 
-def _high_entropy_tokens(entropy: jax.Array, valid: jax.Array, top_fraction) -> jax.Array:
-  """True on the valid tokens whose entropy is above the batch's (1 - top_fraction) quantile."""
+def _high_entropy_tokens(entropy: jax.Array, valid: jax.Array, top_fraction: float) -> jax.Array:
+  """True on the valid tokens above their sequence's (1 - top_fraction) entropy quantile.
+
+  As the reference (`torch.nanquantile(..., dim=-1)`), the quantile (linear
+  interpolation) is taken per sequence over its valid tokens; a fraction of 1
+  selects every valid token.
+  """
+  if top_fraction >= 1.0:
+    return valid
   values = jnp.where(valid, entropy.astype(jnp.float32), jnp.nan)
-  threshold = jnp.nanquantile(values, 1.0 - top_fraction)
+  threshold = jnp.nanquantile(values, 1.0 - top_fraction, axis=1, keepdims=True)
   return valid & (values > threshold)
 
 
@@ -30,6 +41,7 @@ def aspo_loss(
   high_entropy_clip_high: float | Float[Array, ""] = 0.4,
   high_entropy_fraction: float = 0.2,
   dual_clip: float | Float[Array, ""] = 3.0,
+  positive_dual_clip: float | Float[Array, ""] | None = 3.0,
   entropy: Float[Array, "B T"] | None = None,
   is_weights: Float[Array, "B T"] | None = None,
   agg: str = "token-mean",
@@ -38,23 +50,29 @@ def aspo_loss(
   """Asymmetric Importance Sampling Policy Optimization loss (Archer2.0).
 
   With `r = exp(clamp(lp - olp, -20, 20))` and per-token clip `eps_low, eps_high`
-  (the `high_entropy_*` values for the top `high_entropy_fraction` of valid
-  tokens by `entropy` in this batch, `clip_low/clip_high` for the others):
+  (the `high_entropy_*` values for the top `high_entropy_fraction` of each
+  sequence's valid tokens by `entropy`, `clip_low/clip_high` for the others):
   - A > 0, flipped ratio: `r^ = min(r, 1 + eps_high)`,
       `L = -A (r^ / sg(r^)) / sg(r^)`
     value `-A / r^`, gradient `-A (1 / r) grad lp` inside the clip, 0 above it.
-    There is no lower bound for A > 0: the flipped weight 1/r of a token whose
-    probability dropped grows, bounded only by the +-20 log-ratio clamp.
+    Positive dual clip `c+` (`positive_dual_clip`): where the flipped weight
+    `1 / r > c+` (r < 1 / c+), `L = -A c+ exp(lp - sg(lp))`: value `-A c+`,
+    gradient `-A c+ grad lp`, so a token whose probability dropped gets weight
+    at most c+. With `positive_dual_clip=None` the weight 1/r is unbounded
+    (up to e^20 through the log-ratio clamp).
   - A <= 0, PPO lower clip: `L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`;
     soft dual clip where `r > c`: `L = -A c exp(lp - sg(lp))`, whose gradient
     `-A c grad lp` survives (capped weight c instead of r).
   - `L = L * sg(is_weights)`, `loss = aggregate(L, mask, agg)`.
-  Seed "ASPO: Asymmetric Importance Sampling Policy Optimization"; reference
-  Archer2.0 `compute_policy_loss_archer`. Deviation: beyond the dual clip the
-  reference's value is `-A sg(c) lp`; rlx uses `-A c exp(lp - sg(lp))`, which
-  has the same gradient and the dual-clip value `-A c`, so the loss value stays
-  continuous and comparable with PPO's. The entropy quantile is taken over the
-  valid tokens of the batch passed in (under micro-batching: per micro-batch).
+  Seed "ASPO: Asymmetric Importance Sampling Policy Optimization"
+  (https://arxiv.org/abs/2510.06062); reference Archer2.0
+  `compute_policy_loss_archer` (`negative_clip_ratio_c = positive_clip_ratio_c
+  = 3`, entropy quantile 0.8 per sequence). Deviation: beyond either dual clip
+  the reference's value is `-A sg(c) lp`; rlx uses `-A c exp(lp - sg(lp))`,
+  which has the same gradient and the value at the clip (`-A c`), so the loss
+  value stays continuous and comparable with PPO's. The entropy quantile is per
+  sequence, so the loss does not depend on how the batch is split into
+  micro-batches.
 
   Args:
     logp: current-policy log-probs (differentiated), with shape `[B, T]`.
@@ -65,8 +83,11 @@ def aspo_loss(
     clip_high: `>= 0`, upper clip of low-entropy tokens (A > 0, flipped).
     high_entropy_clip_low: `>= 0`, lower clip of high-entropy tokens.
     high_entropy_clip_high: `>= 0`, upper clip of high-entropy tokens.
-    high_entropy_fraction: fraction in [0, 1] of valid tokens treated as high entropy.
+    high_entropy_fraction: fraction in [0, 1] of each sequence's valid tokens
+      treated as high entropy (a Python float).
     dual_clip: soft dual-clip constant `c > 1` for A < 0.
+    positive_dual_clip: cap `c+ > 1` on the flipped weight `1 / r` for A > 0,
+      or None for no cap.
     entropy: per-token policy entropy (detached), with shape `[B, T]`; None
       uses the low-entropy clips everywhere.
     is_weights: rollout-correction weights (detached), with shape `[B, T]`.
@@ -74,7 +95,9 @@ def aspo_loss(
     agg_scale: optional denominator for `aggregate` (global batch scale).
 
   Returns:
-    `(loss, metrics)`: float32 scalar and `PolicyLossMetrics` (ratio = `r`).
+    `(loss, metrics)`: float32 scalar and `PolicyLossMetrics` (ratio = `r`;
+    clip_frac_dual counts both dual clips: A < 0 with r > c and A > 0 with
+    1 / r > c+).
   """
   for value, name in (
     (clip_low, "clip_low"),
@@ -84,6 +107,7 @@ def aspo_loss(
   ):
     check_non_negative(value, name)
   check_greater(dual_clip, 1.0, "dual_clip")
+  check_greater(positive_dual_clip, 1.0, "positive_dual_clip")
   if not 0.0 <= high_entropy_fraction <= 1.0:
     raise ValueError(f"`high_entropy_fraction` must be in [0, 1], got {high_entropy_fraction!r}.")
   x = prepare_policy_inputs(
@@ -101,19 +125,25 @@ def aspo_loss(
   if entropy is None:
     eps_low, eps_high = clip_low, clip_high
   else:
-    high = _high_entropy_tokens(sg(jnp.asarray(entropy)), x.valid, high_entropy_fraction)
-    eps_low = jnp.where(high, high_entropy_clip_low, clip_low)
-    eps_high = jnp.where(high, high_entropy_clip_high, clip_high)
+    wide = _high_entropy_tokens(sg(jnp.asarray(entropy)), x.valid, high_entropy_fraction)
+    eps_low = jnp.where(wide, high_entropy_clip_low, clip_low)
+    eps_high = jnp.where(wide, high_entropy_clip_high, clip_high)
   log_ratio = masked_log_ratio(x.logp, x.old_logp, x.valid)
   ratio = jnp.exp(log_ratio)
   low, high = 1.0 - eps_low, 1.0 + eps_high
+  soft = jnp.exp(x.logp - sg(x.logp))  # value 1, gradient grad lp
   # A > 0: flipped importance weight 1 / r inside the upper clip.
-  capped = jnp.minimum(ratio, high)
+  capped = clip(ratio, high=high)
   positive = -adv * (capped / sg(capped)) / sg(capped)
+  clipped_dual = (adv < 0) & (ratio > dual_clip)
+  if positive_dual_clip is not None:
+    # 1 / r > c+  <=>  r c+ < 1 (the upper clip 1 + eps >= 1 > 1 / c+ never interferes).
+    capped_positive = ratio * positive_dual_clip < 1.0
+    positive = jnp.where(capped_positive, -adv * positive_dual_clip * soft, positive)
+    clipped_dual = clipped_dual | ((adv > 0) & capped_positive)
   # A <= 0: PPO lower clip, soft dual clip above c.
-  negative = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, low, high))
-  soft_dual = -adv * dual_clip * jnp.exp(x.logp - sg(x.logp))
-  negative = jnp.where(ratio > dual_clip, soft_dual, negative)
+  negative = clipped_surrogate(ratio, clip(ratio, low, high), adv)
+  negative = jnp.where(ratio > dual_clip, -adv * dual_clip * soft, negative)
   per_token = apply_is_weights(jnp.where(adv > 0, positive, negative), x.is_weights)
   loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
   metrics = policy_loss_metrics(
@@ -122,7 +152,7 @@ def aspo_loss(
     ratio=ratio,
     clipped_low=(adv < 0) & (ratio < low),
     clipped_high=(adv > 0) & (ratio > high),
-    clipped_dual=(adv < 0) & (ratio > dual_clip),
+    clipped_dual=clipped_dual,
     is_weights=x.is_weights,
   )
   return loss, metrics

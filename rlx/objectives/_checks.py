@@ -97,3 +97,18 @@ def as_mask(mask: jax.Array) -> jax.Array:
 def where_mask(mask: jax.Array, x: jax.Array, fill: float = 0.0) -> jax.Array:
   """`x` at valid positions, `fill` elsewhere (NaN-safe: never multiplies)."""
   return jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+
+
+def clip(x: jax.Array, low: Any = None, high: Any = None) -> jax.Array:
+  """`x` clipped to `[low, high]` (None: unbounded) with gradient 1 on the CLOSED interval.
+
+  Like `torch.clamp`: a value exactly at a bound keeps its full gradient.
+  `jnp.clip`/`jnp.minimum` split the gradient 50/50 at a tie, which would give a
+  ratio sitting exactly on a clip bound (e.g. ratio 1 with a zero-width window)
+  a fraction of its gradient. `high` wins if `low > high`, as in `jnp.clip`.
+  """
+  if low is not None:
+    x = jnp.where(x < low, low, x)
+  if high is not None:
+    x = jnp.where(x > high, high, x)
+  return x

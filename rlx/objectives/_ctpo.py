@@ -11,6 +11,7 @@ from rlx.objectives._checks import (
   check_non_negative,
   check_positive,
   check_rank,
+  clip,
 )
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import (
@@ -127,11 +128,11 @@ def ctpo_loss(
   position = _positions(x.valid)
   if variant == "geomean":
     cumulative = cumulative / jnp.maximum(position, 1.0)
-  log_r = jnp.minimum(sg(cumulative) + x.logp - sg(x.logp), _MAX_LOG_CUMULATIVE_RATIO)
+  log_r = clip(sg(cumulative) + x.logp - sg(x.logp), high=_MAX_LOG_CUMULATIVE_RATIO)
   scale = _clip_scale(position, position_power)
   log_low, log_high = -clip_low * scale, clip_high * scale
   ratio = jnp.exp(log_r)
-  clipped_ratio = jnp.exp(jnp.clip(log_r, log_low, log_high))
+  clipped_ratio = jnp.exp(clip(log_r, log_low, log_high))
   per_token = clipped_surrogate(ratio, clipped_ratio, adv)
   clipped_dual = None
   if dual_clip is not None:

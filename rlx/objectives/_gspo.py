@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_non_negative
+from rlx.objectives._checks import check_non_negative, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import apply_is_weights, clipped_surrogate, prepare_policy_inputs
 from rlx.objectives._ratios import masked_log_ratio
@@ -60,10 +60,10 @@ def gspo_loss(
   adv = x.advantages
   lengths = jnp.sum(x.valid, axis=1, keepdims=True).astype(jnp.float32)
   seq_log_ratio = jnp.sum(x.logp - x.old_logp, axis=1, keepdims=True) / jnp.maximum(lengths, 1.0)
-  log_w = jnp.minimum(sg(seq_log_ratio) + x.logp - sg(x.logp), _MAX_LOG_SEQUENCE_RATIO)
+  log_w = clip(sg(seq_log_ratio) + x.logp - sg(x.logp), high=_MAX_LOG_SEQUENCE_RATIO)
   w = jnp.exp(log_w)
   low, high = 1.0 - clip_low, 1.0 + clip_high
-  per_token = clipped_surrogate(w, jnp.clip(w, low, high), adv)
+  per_token = clipped_surrogate(w, clip(w, low, high), adv)
   per_token = apply_is_weights(per_token, x.is_weights)
   loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
   metrics = policy_loss_metrics(

@@ -14,8 +14,8 @@ _K3_CLAMP = 10.0
 
 def _k3(delta: jax.Array) -> jax.Array:
   """k3 of Delta = lp - ref: e^x - x - 1 with x = clamp(-Delta, +-20), clamped to +-10."""
-  x = jnp.clip(-delta, -_checks.LOG_RATIO_CLAMP, _checks.LOG_RATIO_CLAMP)
-  return jnp.clip(jnp.exp(x) - x - 1.0, -_K3_CLAMP, _K3_CLAMP)
+  x = _checks.clip(-delta, -_checks.LOG_RATIO_CLAMP, _checks.LOG_RATIO_CLAMP)
+  return _checks.clip(jnp.exp(x) - x - 1.0, -_K3_CLAMP, _K3_CLAMP)
 
 
 def kl_penalty(

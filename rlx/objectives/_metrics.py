@@ -16,7 +16,8 @@ class PolicyLossMetrics(NamedTuple):
       (A < 0 and ratio below the lower bound: no gradient), or, for losses that
       clip a detached weight (CISPO), whose weight is truncated from below.
     clip_frac_high: same for the upper bound (A > 0 and ratio above it).
-    clip_frac_dual: fraction of tokens (A < 0) capped by the dual clip.
+    clip_frac_dual: fraction of tokens (A < 0) capped by the dual clip (ASPO:
+      also A > 0 tokens whose flipped weight 1/r is capped).
     approx_kl: `mean(olp - lp)` (k1 estimate of KL(pi_old || pi_theta)) with the
       clamped token log-ratio.
     ratio_mean: mean of the ratio the loss clips (token ratio for PPO, the

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_greater, check_non_negative
+from rlx.objectives._checks import check_greater, check_non_negative, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import (
   apply_dual_clip,
@@ -83,7 +83,7 @@ def minpro_loss(
   prefix = jnp.exp(log_prefix)
   ratio = jnp.exp(log_ratio)
   low, high = 1.0 - clip_low, 1.0 + clip_high
-  per_token = clipped_surrogate(ratio, jnp.clip(ratio, low, high), adv)
+  per_token = clipped_surrogate(ratio, clip(ratio, low, high), adv)
   clipped_dual = None
   if dual_clip is not None:
     per_token = apply_dual_clip(per_token, adv, dual_clip)

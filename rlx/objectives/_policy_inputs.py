@@ -84,10 +84,20 @@ def apply_is_weights(per_token: jax.Array, is_weights: jax.Array | None) -> jax.
 def clipped_surrogate(
   ratio: jax.Array, clipped_ratio: jax.Array, advantages: jax.Array
 ) -> jax.Array:
-  """PPO pessimistic surrogate `max(-A * r, -A * clip(r))` (per token)."""
-  return jnp.maximum(-advantages * ratio, -advantages * clipped_ratio)
+  """PPO pessimistic surrogate `max(-A * r, -A * clip(r))` (per token).
+
+  At a tie (ratio exactly on a bound) the unclipped term is taken, so its
+  gradient flows (torch semantics; `jnp.maximum` would halve it).
+  """
+  unclipped = -advantages * ratio
+  clipped = -advantages * clipped_ratio
+  return jnp.where(unclipped >= clipped, unclipped, clipped)
 
 
 def apply_dual_clip(per_token: jax.Array, advantages: jax.Array, bound: jax.Array) -> jax.Array:
-  """Dual clip for A < 0: `min(L, -A * c)` (Ye et al. 2020, https://arxiv.org/abs/1912.09729)."""
-  return jnp.where(advantages < 0, jnp.minimum(per_token, -advantages * bound), per_token)
+  """Dual clip for A < 0: `min(L, -A * c)` (Ye et al. 2020, https://arxiv.org/abs/1912.09729).
+
+  At a tie `L` is kept (its gradient flows), as for the clip bounds.
+  """
+  cap = -advantages * bound
+  return jnp.where((advantages < 0) & (per_token > cap), cap, per_token)

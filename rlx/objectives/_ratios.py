@@ -15,6 +15,7 @@ from rlx.objectives._checks import (
   as_f32,
   as_mask,
   check_token_arrays,
+  clip,
   where_mask,
 )
 
@@ -27,7 +28,7 @@ def masked_log_ratio(logp: jax.Array, old_logp: jax.Array, valid: jax.Array) -> 
   """
   logp = where_mask(valid, logp)
   old_logp = where_mask(valid, old_logp)
-  return jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  return clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def token_log_ratio(

@@ -162,10 +162,10 @@ class M2poTest(chex.TestCase):
     np.testing.assert_array_equal(got, [[True, False, True, False]])
 
   def test_no_gradient(self):
-    g = jax.grad(
-      lambda o: jnp.sum(obj.m2po_mask(o, jnp.zeros((1, 3)), jnp.ones((1, 3)), tau=0.01))
-    )(jnp.array([[0.0, 0.5, -0.1]]))
-    np.testing.assert_array_equal(g, 0.0)
+    f = lambda o, r: jnp.sum(obj.m2po_mask(o, r, jnp.ones((1, 3)), tau=0.01))
+    g_old, g_rollout = jax.grad(f, argnums=(0, 1))(jnp.array([[0.0, 0.5, -0.1]]), jnp.zeros((1, 3)))
+    np.testing.assert_array_equal(g_old, 0.0)
+    np.testing.assert_array_equal(g_rollout, 0.0)
 
   def test_errors(self):
     x = jnp.zeros((2, 3))

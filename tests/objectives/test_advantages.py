@@ -3,6 +3,7 @@
 import functools
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,6 +25,10 @@ class GroupAdvantagesTest(chex.TestCase):
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert got.dtype == jnp.float32
+
+  def test_grpo_equal_rewards_with_zero_eps_give_zero_not_nan(self):
+    got = obj.grpo_advantages(jnp.array([[1.0, 1.0, 1.0], [0.0, 1.0, 2.0]]), eps=0.0)
+    np.testing.assert_allclose(got, [[0.0, 0.0, 0.0], [-1.0, 0.0, 1.0]], rtol=1e-6)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_grpo_singleton_group_uses_mean0_std1(self):
@@ -166,6 +171,22 @@ class MedianAdvantagesTest(chex.TestCase):
     np.testing.assert_allclose(adv, rewards - np.median(rewards, axis=1, keepdims=True))
     pivot_rewards = rewards[keep == 0]
     np.testing.assert_array_equal(pivot_rewards, np.median(rewards, axis=1))
+
+  def test_pivot_carries_no_gradient_in_a_loss(self):
+    """G + 1 rollouts -> exactly G carry gradient once the keep-mask enters the loss mask."""
+    rewards = jnp.array([[1.0, 0.0, 0.0, 1.0, 1.0], [0.2, 0.9, 0.5, 0.1, 0.7]])
+    adv, keep = obj.median_advantages(rewards)
+    mask = jnp.ones((10, 4)) * keep.reshape(-1, 1)
+    tokens_adv = obj.broadcast_to_tokens(adv.reshape(-1), mask)
+    logp = jnp.asarray(np.random.default_rng(0).normal(size=(10, 4)), jnp.float32)
+    grad = jax.grad(lambda lp: obj.ppo_clip_loss(lp, lp, tokens_adv, mask)[0])(logp)
+    has_grad = np.asarray(jnp.any(grad != 0, axis=1)).reshape(2, 5)
+    # Group 0: pivot index 0; its tied rollouts 3, 4 (A = 0) count in the
+    # denominator but have no gradient. Group 1: pivot 2 (median 0.5).
+    np.testing.assert_array_equal(has_grad, [[0, 1, 1, 0, 0], [1, 1, 0, 1, 1]])
+    np.testing.assert_array_equal(np.asarray(keep), [[0, 1, 1, 1, 1], [1, 1, 0, 1, 1]])
+    # Token-mean over the 8 x 4 kept tokens: d/dlp = -A / 32 on kept rows.
+    np.testing.assert_allclose(grad, -np.asarray(tokens_adv) / 32.0, rtol=1e-6)
 
   def test_errors(self):
     with pytest.raises(ValueError, match="odd"):

@@ -189,6 +189,47 @@ class PolicyLossValuesTest(chex.TestCase):
     np.testing.assert_allclose(metrics.clip_frac_dual, 1 / 5)
 
   @chex.variants(with_jit=True, without_jit=True)
+  def test_aspo_positive_dual_clip_caps_the_flipped_weight(self):
+    lp, olp = from_ratios([[0.25, 0.5, 0.1]])
+    adv = np.array([[1.0, 1.0, 2.0]], np.float32)
+    mask = np.ones((1, 3), np.float32)
+    # A > 0 below 1/c = 1/3 (reference `positive_clip_ratio_c` = 3): the flipped
+    # weight 1/r is capped at c, value -A c (continuous at r = 1/c), gradient -A c:
+    #   r=0.25 -> -3 (grad -3); r=0.5 -> -2 (grad -2, 1/r = 2 < 3); r=0.1, A=2 -> -6 (grad -6).
+    loss, metrics, grad = value_and_grad(self, lambda x: aspo_loss(x, olp, adv, mask), lp)
+    np.testing.assert_allclose(loss, (-3.0 - 2.0 - 6.0) / 3, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-3 / 3, -2 / 3, -6 / 3]], rtol=1e-5)
+    np.testing.assert_allclose(metrics.clip_frac_dual, 2 / 3)
+    # Disabled: the flipped weight 1/r is unbounded (4 and 10).
+    fn = lambda x: aspo_loss(x, olp, adv, mask, positive_dual_clip=None)
+    loss, metrics, grad = value_and_grad(self, fn, lp)
+    np.testing.assert_allclose(loss, (-4.0 - 2.0 - 20.0) / 3, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-4 / 3, -2 / 3, -20 / 3]], rtol=1e-5)
+    np.testing.assert_allclose(metrics.clip_frac_dual, 0.0)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_aspo_entropy_quantile_is_per_sequence(self):
+    # Reference: torch.nanquantile(entropy, 0.8, dim=-1) over each sequence's valid
+    # tokens. Row 1's entropies are all larger than row 0's, but each row's own
+    # top 20% (token 4; row 0's padded 9.0 is ignored) gets the wider clip 0.4.
+    lp, olp = from_ratios([[1.3] * 5 + [NAN], [1.3] * 6])
+    adv = np.array([[1.0] * 5 + [NAN], [1.0] * 6], np.float32)
+    mask = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], np.float32)
+    entropy = np.array([[0.1, 0.2, 0.3, 0.4, 5.0, 9.0], [5.0, 6.0, 7.0, 8.0, 9.0, 1.0]], np.float32)
+    fn = lambda x: aspo_loss(x, olp, adv, mask, entropy=entropy)
+    loss, _, grad = value_and_grad(self, fn, lp)
+    # Row 1 (6 tokens): quantile 0.8 is 8.0, so only 9.0 (token 4) is above it.
+    # Clipped tokens (r = 1.3 > 1.2): value -1/1.2, no gradient; wide ones: -1/1.3.
+    np.testing.assert_allclose(loss, (-9 / 1.2 - 2 / 1.3) / 11, rtol=1e-5)
+    expected = np.zeros((2, 6), np.float32)
+    expected[:, 4] = -1 / 1.3 / 11
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+    # high_entropy_fraction = 1: every valid token gets the wider clip.
+    fn = lambda x: aspo_loss(x, olp, adv, mask, entropy=entropy, high_entropy_fraction=1.0)
+    loss, _, _ = value_and_grad(self, fn, lp)
+    np.testing.assert_allclose(loss, -1 / 1.3, rtol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
   def test_aspo_high_entropy_tokens_get_the_wider_clip(self):
     lp, olp = from_ratios([[1.3, 1.0, 1.0, 1.0, 1.3, NAN]])
     adv = np.array([[1.0] * 5 + [NAN]], np.float32)

@@ -38,6 +38,24 @@ WIDE = {
   "aspo": dict(clip_low=0.5, clip_high=0.5),
 }
 DEFAULT_AGG = {"gspo": "seq-mean-token-mean"}
+# Non-default values of every float hyper-parameter (and agg_scale), traced under jit.
+TRACED = {
+  "ppo": dict(clip_low=0.1, clip_high=0.3, dual_clip=2.0, agg_scale=7.0),
+  "gspo": dict(clip_low=0.1, clip_high=0.3, agg_scale=3.0),
+  "ctpo": dict(clip_low=0.1, clip_high=0.3, dual_clip=0.2, position_power=0.4, agg_scale=7.0),
+  "minpro": dict(clip_low=0.1, clip_high=0.3, dual_clip=2.0, agg_scale=7.0),
+  "cispo": dict(clip_low=0.1, clip_high=0.3, agg_scale=7.0),
+  "sapo": dict(tau_pos=0.7, tau_neg=1.3, agg_scale=7.0),
+  "aspo": dict(
+    clip_low=0.1,
+    clip_high=0.3,
+    high_entropy_clip_low=0.3,
+    high_entropy_clip_high=0.5,
+    dual_clip=2.0,
+    positive_dual_clip=1.5,
+    agg_scale=7.0,
+  ),
+}
 
 
 def make_data(seed=0, *, batch=4, length=7, noise=0.3, pad=np.nan):
@@ -246,8 +264,7 @@ class PolicyLossBehaviourTest(chex.TestCase):
     for key in DATA_KEYS:
       if key != "mask":
         data[key][4] = np.nan
-    # ASPO's entropy quantile is per batch passed in; compare without entropy.
-    data["entropy"] = None
+    # ASPO's entropy quantile is per sequence, so splitting the batch changes nothing.
     full_fns = [loss_fn(name, agg=agg) for agg in AGG_MODES]
 
     @jax.jit
@@ -306,19 +323,41 @@ class PolicyLossBehaviourTest(chex.TestCase):
 
   @parameterized.named_parameters(*NAMED)
   def test_traced_hyper_parameters(self, name):
-    """Clip bounds may be traced scalars (e.g. adaptive BAPO bounds under jit)."""
-    if name == "sapo":
-      hyper = ("tau_pos", "tau_neg")
-    else:
-      hyper = ("clip_low", "clip_high")
+    """Every float hyper-parameter may be a traced scalar (e.g. BAPO bounds under jit)."""
+    hyper = TRACED[name]
     data = make_data(8)
-    values = (0.3, 0.4)
 
-    def traced(a, b):
-      return call(loss_fn(name, **dict(zip(hyper, (a, b), strict=True))), data)[0]
+    def traced(values):
+      return call(loss_fn(name, **values), data)
 
-    expected = call(loss_fn(name, **dict(zip(hyper, values, strict=True))), data)[0]
-    np.testing.assert_allclose(jax.jit(traced)(*values), expected, rtol=1e-6)
+    expected = traced(hyper)
+    got = jax.jit(traced)({k: jnp.float32(v) for k, v in hyper.items()})
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+      np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+  @parameterized.named_parameters(
+    ("ppo", "ppo", {}),
+    ("ppo_dual", "ppo", dict(dual_clip=3.0)),
+    ("gspo", "gspo", {}),
+    ("ctpo", "ctpo", {}),
+    ("minpro", "minpro", {}),
+    ("aspo", "aspo", {}),
+  )
+  def test_gradient_at_a_clip_bound_is_the_unclipped_gradient(self, name, extra):
+    """A ratio exactly at a bound is inside the closed window: full gradient (as torch.clamp).
+
+    On-policy with a zero-width window, every ratio (1) sits on both bounds.
+    A 50/50 tie split (jnp.clip / jnp.maximum) would give 5/8 of the gradient.
+    """
+    data = make_data(1, pad=0.0)
+    data["logp"] = data["old_logp"].copy()
+    data["entropy"] = None
+    f = loss_fn(name, clip_low=0.0, clip_high=0.0, **extra)
+    grad = jax.grad(lambda lp: call(f, {**data, "logp": lp})[0])(data["logp"])
+    weight = data["is_weights"] * data["advantages"]
+    agg = DEFAULT_AGG.get(name, "token-mean")
+    expected = jax.grad(lambda lp: aggregate(-weight * lp, data["mask"], agg))(data["logp"])
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
 
   @parameterized.named_parameters(("ppo", "ppo"), ("sapo", "sapo"))
   def test_check_grads(self, name):
@@ -372,6 +411,7 @@ class PolicyLossValidationTest(parameterized.TestCase):
     ("sapo_tau_neg", "sapo", dict(tau_neg=-1.0), "tau_neg"),
     ("aspo_high_entropy", "aspo", dict(high_entropy_clip_low=-0.4), "high_entropy_clip_low"),
     ("aspo_dual", "aspo", dict(dual_clip=0.5), "dual_clip"),
+    ("aspo_positive_dual", "aspo", dict(positive_dual_clip=1.0), "positive_dual_clip"),
     ("aspo_fraction", "aspo", dict(high_entropy_fraction=1.5), "high_entropy_fraction"),
   )
   def test_bad_hyper_parameters(self, name, hyper, arg):
