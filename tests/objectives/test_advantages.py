@@ -174,12 +174,18 @@ class MedianAdvantagesTest(chex.TestCase):
 
   def test_pivot_carries_no_gradient_in_a_loss(self):
     """G + 1 rollouts -> exactly G carry gradient once the keep-mask enters the loss mask."""
+
+    @jax.jit
+    def run(rewards, logp):
+      adv, keep = obj.median_advantages(rewards)
+      mask = jnp.ones((10, 4)) * keep.reshape(-1, 1)
+      tokens_adv = obj.broadcast_to_tokens(adv.reshape(-1), mask)
+      loss = lambda lp: obj.ppo_clip_loss(lp, jax.lax.stop_gradient(lp), tokens_adv, mask)[0]
+      return keep, tokens_adv, jax.grad(loss)(logp)
+
     rewards = jnp.array([[1.0, 0.0, 0.0, 1.0, 1.0], [0.2, 0.9, 0.5, 0.1, 0.7]])
-    adv, keep = obj.median_advantages(rewards)
-    mask = jnp.ones((10, 4)) * keep.reshape(-1, 1)
-    tokens_adv = obj.broadcast_to_tokens(adv.reshape(-1), mask)
     logp = jnp.asarray(np.random.default_rng(0).normal(size=(10, 4)), jnp.float32)
-    grad = jax.grad(lambda lp: obj.ppo_clip_loss(lp, lp, tokens_adv, mask)[0])(logp)
+    keep, tokens_adv, grad = run(rewards, logp)
     has_grad = np.asarray(jnp.any(grad != 0, axis=1)).reshape(2, 5)
     # Group 0: pivot index 0; its tied rollouts 3, 4 (A = 0) count in the
     # denominator but have no gradient. Group 1: pivot 2 (median 0.5).
