@@ -163,6 +163,8 @@ def rollout_correction(
   inputs are replaced before any arithmetic, so NaN/inf padding is harmless.
   Deviation from verl: per-token log-ratios are clamped to +-20 before the
   sequence sum as well as after it (only matters for a token with rho > e^20).
+  The veto and the rejection statistics use the unclamped log rho, so their
+  thresholds act as stated even beyond e^+-20.
 
   Reference: verl `rollout_corr_helper.py` (TIS, MIS/rejection, veto); Yao et al.
   2025 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
@@ -213,7 +215,10 @@ def rollout_correction(
   old = jax.lax.stop_gradient(_checks.where_mask(valid, _checks.as_f32(old_logp)))
   rollout = jax.lax.stop_gradient(_checks.where_mask(valid, _checks.as_f32(rollout_logp)))
   clamp = _checks.LOG_RATIO_CLAMP
-  log_rho = jnp.clip(old - rollout, -clamp, clamp)  # 0 at invalid positions
+  # Veto and rejection compare the UNCLAMPED log-ratio (no exp of it is ever
+  # summed), so bounds beyond e^+-20 (e.g. a veto threshold of 1e-12) still work.
+  log_rho_raw = old - rollout  # 0 at invalid positions
+  log_rho = jnp.clip(log_rho_raw, -clamp, clamp)
   rho = jnp.exp(log_rho)
   validf = valid.astype(jnp.float32)
   n_valid = jnp.sum(validf)
@@ -225,13 +230,13 @@ def rollout_correction(
   # 1. veto
   keep = valid
   if veto_threshold is not None:
-    below = valid & (log_rho < jnp.log(jnp.asarray(veto_threshold, jnp.float32)))
+    below = valid & (log_rho_raw < jnp.log(jnp.asarray(veto_threshold, jnp.float32)))
     keep = keep & ~jnp.any(below, axis=1, keepdims=True)
   vetoed = valid & ~keep
 
   # 2. rejection
   if reject is not None:
-    stat = _token_statistic(log_rho, reject_statistic)
+    stat = _token_statistic(log_rho_raw, reject_statistic)
     low = _log_bound(reject_low, reject_statistic, -jnp.inf)
     high = _log_bound(reject_high, reject_statistic, jnp.inf)
     if reject == "token":

@@ -38,7 +38,9 @@ def ppo_clip_loss(
   Schulman et al. 2017 (https://arxiv.org/abs/1707.06347); clip-higher from
   DAPO (https://arxiv.org/abs/2503.14476: clip_low=0.2, clip_high=0.28); dual
   clip from Ye et al. 2020 (https://arxiv.org/abs/1912.09729, verl default
-  c = 3). Reference: verl `compute_policy_loss_vanilla`.
+  c = 3). Reference: verl `compute_policy_loss_vanilla`. A ratio exactly on a
+  bound counts as inside the closed window and keeps its gradient (as with
+  `torch.clamp`; the same holds for every clipped loss in rlx.objectives).
 
   Args:
     logp: current-policy log-probs (differentiated), with shape `[B, T]`.

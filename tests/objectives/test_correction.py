@@ -115,6 +115,20 @@ class RolloutCorrectionTest(chex.TestCase):
     _, new_mask, _ = _run(self.variant, veto_threshold=1e-4)
     np.testing.assert_array_equal(new_mask, MASK)
 
+  def test_veto_and_rejection_see_ratios_beyond_the_clamp(self):
+    # rho = e^-30 (below the +-20 weight clamp) in sequence 0, token 0.
+    old, rollout, mask = jnp.zeros((2, 2)), jnp.array([[30.0, 0.0], [0.0, 0.0]]), jnp.ones((2, 2))
+    vetoed = [[0, 0], [1, 1]]
+    rejected = [[0, 1], [1, 1]]
+    for kwargs, want in (
+      ({"veto_threshold": 1e-12}, vetoed),
+      ({"reject": "token", "reject_low": 1e-11}, rejected),
+      ({"reject": "token", "reject_statistic": "k1", "reject_high": 25.0}, rejected),
+      ({"reject": "seq-sum", "reject_statistic": "k2", "reject_high": 400.0}, vetoed),
+    ):
+      _, new_mask, _ = obj.rollout_correction(old, rollout, mask, **kwargs)
+      np.testing.assert_array_equal(new_mask, want, err_msg=str(kwargs))
+
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(
     ("token", {}),
