@@ -6,6 +6,9 @@ from jaxtyping import Array, Float
 
 from rlx.objectives import _checks
 
+# Only guards against inf inputs (see m2po_mask); real log-ratios are far smaller.
+_MAX_ABS_LOG_RATIO = 1e6
+
 
 def m2po_mask(
   old_logp: Float[Array, "B T"],
@@ -16,7 +19,7 @@ def m2po_mask(
 ) -> Float[Array, "B T"]:
   """M2PO token mask: drop the fewest tokens so the second moment of the log-ratio is <= tau.
 
-  With x_t = (clamp(old_logp_t - rollout_logp_t, -20, 20))^2 over the n valid
+  With x_t = (old_logp_t - rollout_logp_t)^2 (not clamped) over the n valid
   tokens of the whole batch, find the smallest k such that removing the k
   largest x_t leaves
 
@@ -50,8 +53,9 @@ def m2po_mask(
   valid = _checks.as_mask(mask)
   old = jax.lax.stop_gradient(_checks.where_mask(valid, _checks.as_f32(old_logp)))
   rollout = jax.lax.stop_gradient(_checks.where_mask(valid, _checks.as_f32(rollout_logp)))
-  clamp = _checks.LOG_RATIO_CLAMP
-  second = jnp.square(jnp.clip(old - rollout, -clamp, clamp))
+  # No exp here, so no +-20 clamp: an outlier's full (log ratio)^2 counts. The
+  # bound 1e6 only keeps inf inputs from making the sums inf - inf = NaN.
+  second = jnp.square(jnp.clip(old - rollout, -_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO))
 
   flat_valid = valid.reshape(-1)
   # Invalid entries sort after every valid one (valid values are >= 0).
@@ -60,11 +64,12 @@ def m2po_mask(
   order = jnp.argsort(-flat, stable=True)  # descending, ties by index
   sorted_values = jnp.where(flat[order] >= 0, flat[order], 0.0)
   n = jnp.sum(flat_valid.astype(jnp.int32))
-  total = jnp.sum(sorted_values)
-  removed = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(sorted_values)])
+  # kept[k] = sum of all but the k largest, summed from the small end (no
+  # cancellation against a large outlier).
+  kept = jnp.concatenate([jnp.cumsum(sorted_values[::-1])[::-1], jnp.zeros((1,), jnp.float32)])
   k = jnp.arange(size + 1)
   remaining = jnp.maximum(n - k, 1).astype(jnp.float32)
-  fits = ((total - removed) / remaining <= jnp.float32(tau)) | (k >= n)
+  fits = (kept / remaining <= jnp.float32(tau)) | (k >= n)
   num_drop = jnp.argmax(fits)  # first k that satisfies the bound
 
   rank = jnp.zeros((size,), jnp.int32).at[order].set(jnp.arange(size, dtype=jnp.int32))

@@ -156,6 +156,14 @@ class M2poTest(chex.TestCase):
     got = self.variant(obj.m2po_mask)(old, rollout, mask)
     np.testing.assert_array_equal(got, mask)
 
+  def test_outlier_beyond_the_exp_clamp_counts_in_full(self):
+    # 20000 matching tokens and one with log-ratio 30: the true second moment is
+    # 900 / 20001 > 0.04, so the outlier is masked (clamped to 20 it would read
+    # 400 / 20001 < 0.04 and stay).
+    lr = jnp.zeros((1, 20001)).at[0, 7].set(30.0)
+    got = obj.m2po_mask(jnp.zeros((1, 20001)), -lr, jnp.ones((1, 20001)))
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(got) == 0), [7])
+
   def test_tau_zero_drops_every_mismatched_token(self):
     lr = jnp.array([[0.0, 0.1, 0.0, -0.2]])
     got = obj.m2po_mask(jnp.zeros((1, 4)), lr, jnp.ones((1, 4), bool), tau=0.0)
