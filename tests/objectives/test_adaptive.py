@@ -161,7 +161,7 @@ class M2poTest(chex.TestCase):
     # 900 / 20001 > 0.04, so the outlier is masked (clamped to 20 it would read
     # 400 / 20001 < 0.04 and stay).
     lr = jnp.zeros((1, 20001)).at[0, 7].set(30.0)
-    got = obj.m2po_mask(jnp.zeros((1, 20001)), -lr, jnp.ones((1, 20001)))
+    got = jax.jit(obj.m2po_mask)(jnp.zeros((1, 20001)), -lr, jnp.ones((1, 20001)))
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(got) == 0), [7])
 
   def test_tau_zero_drops_every_mismatched_token(self):

@@ -353,7 +353,7 @@ class PolicyLossBehaviourTest(chex.TestCase):
     data["logp"] = data["old_logp"].copy()
     data["entropy"] = None
     f = loss_fn(name, clip_low=0.0, clip_high=0.0, **extra)
-    grad = jax.grad(lambda lp: call(f, {**data, "logp": lp})[0])(data["logp"])
+    grad = jax.jit(jax.grad(lambda lp: call(f, {**data, "logp": lp})[0]))(data["logp"])
     weight = data["is_weights"] * data["advantages"]
     agg = DEFAULT_AGG.get(name, "token-mean")
     expected = jax.grad(lambda lp: aggregate(-weight * lp, data["mask"], agg))(data["logp"])
