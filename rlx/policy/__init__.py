@@ -4,9 +4,11 @@ Contract (see each function's docstring for shapes):
 
   config, params = load_hf_checkpoint(path)            # or init_params(config, rng)
   logits = forward(params, config, tokens, positions=None, *, segment_ids=None,
-                   attention_fn=None, return_hidden=False)       # f32[B, S, V]
+                   attention_fn=None, return_hidden=False,
+                   layer_params_fn=None)                          # f32[B, S, V]
   logp, entropy = token_logprobs(params, config, tokens, mask, *, positions=None,
-                                 segment_ids=None, temperature=1.0, chunk_size=128)
+                                 segment_ids=None, temperature=1.0, chunk_size=128,
+                                 layer_params_fn=None)
   specs = partition_rules(config, mesh)                 # PartitionSpec per param
   save_hf_checkpoint(path, config, params)
 
@@ -22,6 +24,11 @@ its own attention kernel, `layer_finish`, `final_norm` and
 `logits_from_hidden`; or `forward(..., attention_fn=f)` calls
 `f(layer_index, q, k, v, *, positions, segment_ids) -> out` inside its layer scan.
 `kv_absmax` gives per-layer K/V abs-max from a training forward (FP8 KV scales).
+
+Per-layer parameter hook: `layer_params_fn(layer) -> layer` runs on each
+block's parameter slice inside the layer scan (rlx.train uses it to all-gather
+one FSDP-sharded layer at a time); its outputs are recomputed, not stored, for
+the backward pass (the block is rematerialised saving only matmul outputs).
 """
 
 from rlx.policy._checkpoint import (
@@ -42,6 +49,7 @@ from rlx.policy._logprobs import (
 )
 from rlx.policy._model import (
   AttentionFn,
+  LayerParamsFn,
   Params,
   apply_rope,
   check_params,

@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from rlx.policy._config import ModelConfig
-from rlx.policy._model import Params, check_tokens, forward, lm_head_kernel
+from rlx.policy._model import LayerParamsFn, Params, check_tokens, forward, lm_head_kernel
 
 DEFAULT_CHUNK_SIZE = 128
 
@@ -101,6 +101,7 @@ def token_logprobs(
   segment_ids: Int[Array, "B S"] | None = None,
   temperature: float | Float[Array, ""] = 1.0,
   chunk_size: int = DEFAULT_CHUNK_SIZE,
+  layer_params_fn: LayerParamsFn | None = None,
 ) -> tuple[Float[Array, "B S"], Float[Array, "B S"]]:
   """Per-token log-probabilities and entropies of `tokens` under the policy, chunked.
 
@@ -121,6 +122,9 @@ def token_logprobs(
     temperature: softmax temperature T > 0 (Python float or traced scalar).
     chunk_size: positions per LM-head chunk (static int >= 1); S - 1 is padded
       up to a multiple of it internally.
+    layer_params_fn: optional per-layer parameter hook, as in `forward` (e.g.
+      the train step's one-layer-at-a-time FSDP all-gather). The LM head uses
+      `params` as passed.
 
   Returns:
     (logp f32[B, S], entropy f32[B, S]).
@@ -132,7 +136,15 @@ def token_logprobs(
     raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}.")
   tokens = jnp.asarray(tokens, jnp.int32)
   b, s = tokens.shape
-  hidden = forward(params, config, tokens, positions, segment_ids=segment_ids, return_hidden=True)
+  hidden = forward(
+    params,
+    config,
+    tokens,
+    positions,
+    segment_ids=segment_ids,
+    return_hidden=True,
+    layer_params_fn=layer_params_fn,
+  )
   n = s - 1
   if n == 0:
     zeros = jnp.zeros((b, 0), jnp.float32)

@@ -38,6 +38,21 @@ functions per layer (`get_layer(params, i)` slices layer i), and the training
 forward accepts `attention_fn(layer_index, q, k, v, *, positions,
 segment_ids) -> attn` to replace the dense causal attention inside its layer
 scan (`layer_index` is then a traced int32 scalar).
+
+Per-layer parameter hook (FSDP / ZeRO-3). `forward(..., layer_params_fn=g)`
+applies `g(layer) -> layer` to each block's parameter slice INSIDE the layer
+scan, right before the block uses it. A sharded train step passes a function
+that all-gathers one layer's FSDP-sharded weights
+(`jax.lax.with_sharding_constraint`), so only one gathered layer exists at a
+time instead of the whole gathered stack; the gather's gradient is a
+reduce-scatter of that layer's gradient. With a hook (and `remat` off) each
+block is wrapped in `jax.checkpoint` with the `dots_saveable` policy: matmul
+outputs (activations) are saved for the backward pass, everything else is
+recomputed, so the backward pass re-runs the hook (re-gathers one layer)
+instead of keeping every gathered layer alive as a residual. (A policy that
+saves "everything but the hook's outputs" would still save the gathered
+weights: the values they are computed from, e.g. the sharding constraint's
+output or a dtype cast, would be saved in their place.)
 """
 
 import functools
@@ -54,6 +69,7 @@ from rlx.policy._config import ModelConfig
 
 Params = dict[str, Any]
 AttentionFn = Callable[..., Array]
+LayerParamsFn = Callable[[Params], Params]
 
 
 # ----------------------------------------------------------------------------
@@ -455,6 +471,7 @@ def forward(
   segment_ids: Int[Array, "B S"] | None = None,
   attention_fn: AttentionFn | None = None,
   return_hidden: bool = False,
+  layer_params_fn: LayerParamsFn | None = None,
 ) -> Float[Array, "B S V"] | Float[Array, "B S D"]:
   """Causal language-model forward pass (training path).
 
@@ -479,18 +496,61 @@ def forward(
       with q [B, S, H, Dh], k/v [B, S, Hkv, Dh] (post-RoPE), out [B, S, H, Dh];
       `layer_index` is a traced int32 scalar. Default `default_attention_fn`.
     return_hidden: return the final-norm hidden states instead of logits.
+    layer_params_fn: optional `f(layer) -> layer` applied to each decoder
+      block's parameter slice (the tree of `get_layer(params, i)`, leaves
+      without the `[L]` axis) inside the layer scan, before the block runs;
+      it must return the same tree structure and shapes (dtypes may differ:
+      outputs are cast to the compute dtype). Meant for per-layer FSDP
+      gathering (`jax.lax.with_sharding_constraint`) or similar per-layer
+      transforms. With it (and `config.remat` off) each block is
+      rematerialised with `jax.checkpoint_policies.dots_saveable`, so its
+      outputs are recomputed rather than stored for the backward pass
+      (module docstring); the forward values are unchanged. The non-layer
+      params (embedding, final norm, LM head) are used as passed. Default
+      None = no hook, no remat.
 
   Returns:
     f32[B, S, V] logits, or [B, S, D] hidden states (compute dtype) when
     `return_hidden`.
   """
-  hidden, _ = _decoder(params, config, tokens, positions, segment_ids, attention_fn, None)
+  hidden, _ = _decoder(
+    params, config, tokens, positions, segment_ids, attention_fn, None, layer_params_fn
+  )
   if return_hidden:
     return hidden
   return logits_from_hidden(params, config, hidden)
 
 
-def _decoder(params, config, tokens, positions, segment_ids, attention_fn, kv_mask):
+def _layer_params_hook(layer_params_fn: LayerParamsFn, config: ModelConfig) -> LayerParamsFn:
+  """Wraps a user `layer_params_fn`: checks its output and casts it to the compute dtype."""
+  if not callable(layer_params_fn):
+    raise ValueError(f"`layer_params_fn` must be callable, got {type(layer_params_fn).__name__}.")
+  dtype = jnp.dtype(config.compute_dtype)
+
+  def hook(layer: Params) -> Params:
+    out = layer_params_fn(layer)
+    want = jax.tree.structure(layer)
+    if jax.tree.structure(out) != want:
+      raise ValueError(
+        f"`layer_params_fn` must return the tree structure of its input {want}, "
+        f"got {jax.tree.structure(out)}."
+      )
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(layer)[0]
+    for (path, a), b in zip(paths_and_leaves, jax.tree.leaves(out), strict=True):
+      if np.shape(a) != np.shape(b):
+        name = "/".join(str(getattr(p, "key", p)) for p in path)
+        raise ValueError(
+          f"`layer_params_fn` changed the shape of layers/{name} from {np.shape(a)} to "
+          f"{np.shape(b)}."
+        )
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), out)
+
+  return hook
+
+
+def _decoder(
+  params, config, tokens, positions, segment_ids, attention_fn, kv_mask, layer_params_fn=None
+):
   """Validated embedding + layer scan + final norm; optionally per-layer K/V abs-max."""
   check_params(params, config)
   check_tokens(tokens, config.vocab_size)
@@ -507,9 +567,12 @@ def _decoder(params, config, tokens, positions, segment_ids, attention_fn, kv_ma
       positions = positions_from_segments(segment_ids)
   positions = jnp.asarray(positions, jnp.int32)
   attend = attention_fn if attention_fn is not None else default_attention_fn
+  hook = _layer_params_hook(layer_params_fn, config) if layer_params_fn is not None else None
 
   def block(x, inputs):
     layer, index = inputs
+    if hook is not None:
+      layer = hook(layer)
     q, k, v = layer_qkv(layer, config, x, positions)
     out = attend(index, q, k, v, positions=positions, segment_ids=segment_ids)
     amax = None
@@ -523,6 +586,10 @@ def _decoder(params, config, tokens, positions, segment_ids, attention_fn, kv_ma
 
   if config.remat:
     block = jax.checkpoint(block, prevent_cse=False)
+  elif hook is not None:
+    # Save only matmul outputs: the hook's outputs (e.g. gathered weights) and
+    # everything computed from them without a matmul are recomputed.
+    block = jax.checkpoint(block, prevent_cse=False, policy=jax.checkpoint_policies.dots_saveable)
   x = embed(params, config, tokens)
   indices = jnp.arange(config.num_layers, dtype=jnp.int32)
   x, amax = jax.lax.scan(block, x, (params["layers"], indices))

@@ -10,6 +10,7 @@ PUBLIC = (
   "DEFAULT_CHUNK_SIZE",
   "DEFAULT_MAX_SHARD_BYTES",
   "FAMILIES",
+  "LayerParamsFn",
   "ModelConfig",
   "Params",
   "RopeScaling",
@@ -50,12 +51,14 @@ def test_public_names():
 def test_contract_signatures():
   fwd = inspect.signature(policy.forward)
   assert list(fwd.parameters)[:4] == ["params", "config", "tokens", "positions"]
-  for name in ("segment_ids", "attention_fn", "return_hidden"):
+  for name in ("segment_ids", "attention_fn", "return_hidden", "layer_params_fn"):
     assert fwd.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+  assert fwd.parameters["layer_params_fn"].default is None
   lp = inspect.signature(policy.token_logprobs)
   assert list(lp.parameters)[:4] == ["params", "config", "tokens", "mask"]
-  for name in ("positions", "segment_ids", "temperature", "chunk_size"):
+  for name in ("positions", "segment_ids", "temperature", "chunk_size", "layer_params_fn"):
     assert lp.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+  assert lp.parameters["layer_params_fn"].default is None
   assert list(inspect.signature(policy.partition_rules).parameters) == ["config", "mesh"]
   assert list(inspect.signature(policy.init_params).parameters) == ["config", "rng"]
   for tok in (policy.Tokenizer, policy.CharTokenizer):

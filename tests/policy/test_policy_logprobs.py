@@ -1,8 +1,11 @@
 """Chunked `token_logprobs` equals the naive full-logits computation (values and grads)."""
 
+import contextlib
 import functools
+import io
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,3 +115,109 @@ def test_errors(model):
     policy.logprobs_from_logits(jnp.zeros((3, 10, 97)), tokens, mask)
   with pytest.raises(ValueError, match="outside"):
     policy.logprobs_from_logits(jnp.zeros((3, 11, 50)), tokens.at[0, 0].set(60), mask)
+
+
+def _scale_kernels(tree, factor):
+  return jax.tree_util.tree_map_with_path(
+    lambda path, x: x * factor if path[-1].key == "kernel" else x, tree
+  )
+
+
+def test_layer_params_fn_is_applied_to_each_layer_inside_the_scan(model):
+  """A hook scaling each layer's kernels == scaling the stacked kernels (values and grads)."""
+  config, params = model
+  tokens, mask = _batch()
+  weights = jnp.asarray(np.random.default_rng(2).normal(size=tokens.shape), jnp.float32)
+
+  def objective(p, hook):
+    logp, entropy = policy.token_logprobs(
+      p, config, tokens, mask, chunk_size=4, layer_params_fn=hook
+    )
+    return jnp.sum(weights * logp) + 0.3 * jnp.sum(entropy), logp
+
+  hooked = jax.jit(
+    jax.value_and_grad(
+      lambda p: objective(p, lambda layer: _scale_kernels(layer, 1.5)), has_aux=True
+    )
+  )
+  direct = jax.jit(jax.value_and_grad(lambda p: objective(p, None), has_aux=True))
+  (_, logp), grads = hooked(params)
+  scaled = dict(params, layers=_scale_kernels(params["layers"], 1.5))
+  (_, want_logp), want = direct(scaled)
+  assert float(jnp.max(jnp.abs(logp - direct(params)[0][1]))) > 1e-3  # the hook matters
+  np.testing.assert_allclose(logp, want_logp, atol=1e-5)
+  # d/dW f(1.5 W) = 1.5 f'(1.5 W) for layer kernels; other grads are unchanged.
+  want["layers"] = _scale_kernels(want["layers"], 1.5)
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(want), strict=True
+  ):
+    scale = float(jnp.max(jnp.abs(b))) + 1e-6
+    np.testing.assert_allclose(a / scale, b / scale, atol=2e-5, err_msg=str(path))
+
+  # The hook sees one layer's slice (no [L] axis), traced once by the scan.
+  seen = []
+
+  def recording(layer):
+    seen.append(jax.tree_util.tree_map(jnp.shape, layer))
+    return layer
+
+  jax.eval_shape(lambda p: policy.forward(p, config, tokens, layer_params_fn=recording), params)
+  assert seen == [jax.tree_util.tree_map(lambda x: x.shape[1:], params["layers"])]
+
+
+def test_layer_params_fn_outputs_are_recomputed_not_saved(model):
+  """Only argument params are saved for the backward pass, never the hook's [L, ...] outputs.
+
+  (This is what keeps one gathered layer alive at a time in FSDP training.)
+  """
+  config, params = model
+  tokens, mask = _batch()
+  stacked = {tuple(x.shape) for x in jax.tree_util.tree_leaves(params["layers"]) if x.ndim == 3}
+
+  def saved(hook):
+    f = lambda p: jnp.sum(policy.token_logprobs(p, config, tokens, mask, layer_params_fn=hook)[0])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(f, params)
+    lines = out.getvalue().splitlines()
+    assert any("from the argument" in line for line in lines)  # the format we parse
+    return [
+      line
+      for line in lines
+      if "from the argument" not in line
+      and any(line.startswith(f"f32[{','.join(map(str, s))}]") for s in stacked)
+    ]
+
+  assert saved(lambda layer: _scale_kernels(layer, 1.5)) == []
+  # Control: without the hook's remat, scaling the stacked kernels before the
+  # forward saves the scaled [L, ...] kernels, and the parser finds them.
+  f = lambda p: jnp.sum(
+    policy.token_logprobs(dict(p, layers=_scale_kernels(p["layers"], 1.5)), config, tokens, mask)[0]
+  )
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(f, params)
+  assert any(
+    "from the argument" not in line
+    and any(line.startswith(f"f32[{','.join(map(str, s))}]") for s in stacked)
+    for line in out.getvalue().splitlines()
+  )
+
+
+def test_layer_params_fn_errors(model):
+  config, params = model
+  tokens, _ = _batch()
+
+  def fwd(hook):
+    return jax.eval_shape(lambda p: policy.forward(p, config, tokens, layer_params_fn=hook), params)
+
+  with pytest.raises(ValueError, match="`layer_params_fn` must be callable"):
+    fwd(3)
+  with pytest.raises(ValueError, match="`layer_params_fn` must return the tree structure"):
+    fwd(lambda layer: {k: v for k, v in layer.items() if k != "mlp"})
+  with pytest.raises(ValueError, match="changed the shape of layers/attn/q_proj/kernel"):
+    fwd(
+      lambda layer: dict(
+        layer, attn=dict(layer["attn"], q_proj={"kernel": layer["attn"]["q_proj"]["kernel"][:2]})
+      )
+    )
