@@ -11,10 +11,19 @@ warm-up (compiling) step, `--steps` steps are timed on host with
                + padding, i.e. what the forward/backward pays for);
   ratio        tokens/s relative to the first layout of the run;
   compile_s    wall time of the first (compiling) call;
+  temp MiB     XLA's temporary-buffer size of the compiled step per device
+               (`memory_analysis().temp_size_in_bytes`): activations, saved
+               residuals, gathered weights, gradients in flight;
   MFU          model FLOPs utilisation, accelerators only: (6 * N_params +
                12 * L * H * Dh * S) FLOPs per token (forward + backward; the
                attention term counts the full S x S score matrix) times
                tokens/s, over the chips' peak dense bf16 FLOP/s.
+
+Layouts with an "fsdp" axis > 1 run once per `--gather_modes` entry:
+"layer" gathers one decoder layer's FSDP-sharded weights at a time inside the
+layer scan (`config.gather_fsdp_per_layer=True`, the default), "model" gathers
+the whole param tree before the forward (`gather_fsdp_per_layer=False`), so
+the two are compared side by side in one run.
 
 On CPU the script forces 8 fake host devices (XLA_FLAGS), so the multi-device
 layouts share the same physical cores as the 1-device one: their ratios show
@@ -25,8 +34,8 @@ Rerun (prints the markdown table; `--out` also writes it to a file):
   python experiments/bench_train_step.py \
     --out=experiments/results/train_step_cpu.md
 
-Defaults: 4 layers, width 256, vocab 2048, B=32, S=128; ~2-4 minutes on 2 CPU
-cores.
+Defaults: 4 layers, width 256, vocab 2048, B=32, S=128; 6 rows, ~4-8 minutes
+on 2 CPU cores.
 """
 
 import os
@@ -66,6 +75,12 @@ _MICRO = flags.DEFINE_integer("micro_batches", 1, "Micro-batches per update.")
 _LOSS = flags.DEFINE_string("loss", "ppo", "Policy loss (any key of POLICY_LOSSES).")
 _GATHER = flags.DEFINE_bool(
   "gather_fsdp_params", True, "All-gather FSDP params before the forward (config field)."
+)
+_GATHER_MODES = flags.DEFINE_list(
+  "gather_modes",
+  ["layer", "model"],
+  "For layouts with fsdp > 1: 'layer' (per-layer gather in the layer scan) and/or 'model' "
+  "(whole param tree gathered before the forward).",
 )
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per layout (median reported).")
 _OUT = flags.DEFINE_string("out", None, "Optional file to write the markdown table to.")
@@ -126,7 +141,9 @@ def _flops_per_token(mc: policy.ModelConfig, params) -> float:
   return 6.0 * n_params + attention
 
 
-def _run_layout(layout: str, mc: policy.ModelConfig, host_batch: dict) -> dict:
+def _run_layout(
+  layout: str, gather_mode: str | None, mc: policy.ModelConfig, host_batch: dict
+) -> dict:
   data, fsdp, tensor = (int(x) for x in layout.split("x"))
   n = data * fsdp * tensor
   devices = jax.devices()
@@ -137,7 +154,9 @@ def _run_layout(layout: str, mc: policy.ModelConfig, host_batch: dict) -> dict:
   config.loss = _LOSS.value
   config.micro_batches = _MICRO.value
   config.gather_fsdp_params = _GATHER.value
+  config.gather_fsdp_per_layer = gather_mode != "model"
   config.optimizer.learning_rate = 1e-5
+  config.report_throughput = False  # timed here, around block_until_ready
   params = policy.init_params(mc, jax.random.PRNGKey(0))
   flops = _flops_per_token(mc, params)
   state = train.create_train_state(params, mc, config, mesh, rng=jax.random.PRNGKey(1))
@@ -157,12 +176,21 @@ def _run_layout(layout: str, mc: policy.ModelConfig, host_batch: dict) -> dict:
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
   loss = float(train.to_host(metrics)["loss"])
+  memory = step.lower(state, batch).compile().memory_analysis()  # cached: no recompile
+  temp_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else None
   step_s = statistics.median(times)
   tokens_per_s = _BATCH.value * _SEQ.value / step_s
   peak = _peak_flops(devices[0])
   mfu = flops * tokens_per_s / (peak * n) if peak else None
   return dict(
-    layout=layout, step_ms=1e3 * step_s, tps=tokens_per_s, compile_s=compile_s, mfu=mfu, loss=loss
+    layout=layout,
+    gather=gather_mode or "-",
+    step_ms=1e3 * step_s,
+    tps=tokens_per_s,
+    compile_s=compile_s,
+    temp_mib=temp_mib,
+    mfu=mfu,
+    loss=loss,
   )
 
 
@@ -170,9 +198,17 @@ def main(argv):
   del argv
   if not 0 <= _PROMPT.value < _SEQ.value:
     raise app.UsageError(f"--prompt ({_PROMPT.value}) must be in [0, --seq={_SEQ.value}).")
+  bad = sorted(set(_GATHER_MODES.value) - {"layer", "model"})
+  if bad or not _GATHER_MODES.value:
+    raise app.UsageError(f"--gather_modes must be a non-empty subset of layer,model, got {bad}.")
   mc = _model_config()
   host_batch = _batch(np.random.default_rng(0))
-  rows = [_run_layout(layout, mc, host_batch) for layout in _LAYOUTS.value]
+  runs = []
+  for layout in _LAYOUTS.value:
+    fsdp = int(layout.split("x")[1])
+    modes = _GATHER_MODES.value if fsdp > 1 and _GATHER.value else [None]
+    runs += [(layout, mode) for mode in modes]
+  rows = [_run_layout(layout, mode, mc, host_batch) for layout, mode in runs]
   base = rows[0]["tps"]
   device = jax.devices()[0]
   lines = [
@@ -185,14 +221,16 @@ def main(argv):
     f"micro_batches {_MICRO.value}, gather_fsdp_params {_GATHER.value}, median of "
     f"{_STEPS.value} steps after a compiling one.",
     "",
-    "| layout (data x fsdp x tensor) | step ms | tokens/s | ratio | compile s | MFU | loss |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    "| layout (data x fsdp x tensor) | fsdp gather | step ms | tokens/s | ratio | compile s "
+    "| temp MiB | MFU | loss |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (CPU)"
+    temp = f"{r['temp_mib']:.1f}" if r["temp_mib"] is not None else "n/a"
     lines.append(
-      f"| {r['layout']} | {r['step_ms']:.1f} | {r['tps']:.0f} | {r['tps'] / base:.2f} | "
-      f"{r['compile_s']:.1f} | {mfu} | {r['loss']:.6f} |"
+      f"| {r['layout']} | {r['gather']} | {r['step_ms']:.1f} | {r['tps']:.0f} | "
+      f"{r['tps'] / base:.2f} | {r['compile_s']:.1f} | {temp} | {mfu} | {r['loss']:.6f} |"
     )
   lines += ["", "Rerun: `python " + " ".join([sys.argv[0]] + _rerun_flags()) + "`", ""]
   table = "\n".join(lines)
@@ -205,7 +243,18 @@ def main(argv):
 def _rerun_flags() -> list[str]:
   """The non-default flags of this run, to print the exact rerun command."""
   out = []
-  for flag in (_LAYOUTS, _BATCH, _SEQ, _PROMPT, _LAYERS, _HIDDEN, _HEADS, _KV_HEADS, _VOCAB):
+  for flag in (
+    _LAYOUTS,
+    _BATCH,
+    _SEQ,
+    _PROMPT,
+    _LAYERS,
+    _HIDDEN,
+    _HEADS,
+    _KV_HEADS,
+    _VOCAB,
+    _GATHER_MODES,
+  ):
     f = flags.FLAGS[flag.name]
     if f.present:
       value = ",".join(f.value) if isinstance(f.value, list) else f.value

@@ -10,6 +10,11 @@ Typical use (see `make_train_step` for the batch contract):
   batch = rlx.train.shard_batch(batch, mesh)
   batch["old_logp"] = compute_logprobs(state, batch)
   state, metrics = train_step(state, batch)
+
+FSDP (ZeRO-3): params, gradients and optimizer state are stored sharded over
+the "fsdp" mesh axis; the forward all-gathers the embedding / LM head before
+it and each decoder layer inside the policy's layer scan (one layer at a time,
+re-gathered in the backward pass), see `fsdp_gather_fns`.
 """
 
 from rlx.train._checkpoint import (
@@ -34,6 +39,7 @@ from rlx.train._mesh import (
   MESH_AXES,
   batch_axis_size,
   batch_sharding,
+  gathered_layer_shardings,
   gathered_param_shardings,
   make_mesh,
   opt_state_shardings,
@@ -53,7 +59,9 @@ from rlx.train._state import (
   train_state_shardings,
 )
 from rlx.train._step import (
+  FsdpGather,
   NonFiniteError,
   TrainStep,
+  fsdp_gather_fns,
   make_train_step,
 )

@@ -70,11 +70,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.temperature = 1.0
   # Sequence chunk of rlx.policy.token_logprobs; 0 = the policy's default.
   c.logprob_chunk_size = 0
-  # All-gather the FSDP-sharded params right before each (micro-batch) forward
-  # (ZeRO-3: params/grads/optimizer state stay sharded; the gradient of the
-  # gather is a reduce-scatter). False leaves the layout to XLA's sharding
-  # propagation, which may replicate the batch instead.
+  # All-gather the FSDP-sharded params for each (micro-batch) forward (ZeRO-3:
+  # params/grads/optimizer state stay sharded; the gradient of the gather is a
+  # reduce-scatter). False leaves the layout to XLA's sharding propagation,
+  # which may replicate the batch instead.
   c.gather_fsdp_params = True
+  # With gather_fsdp_params: gather one decoder layer at a time inside the
+  # policy's layer scan (rlx.policy `layer_params_fn`; the backward pass
+  # re-gathers each layer), so gathered weights cost about one layer of memory
+  # rather than the whole model. False gathers the whole param tree before the
+  # forward (the previous behaviour; kept for comparison).
+  c.gather_fsdp_per_layer = True
   # --- optimisation ---
   # Global-norm gradient clipping; 0 disables it.
   c.max_grad_norm = 1.0
@@ -104,6 +110,11 @@ def get_config() -> ml_collections.ConfigDict:
   # A non-finite loss or gradient skips that update ("skip", counted in the
   # metrics) or, in addition, raises NonFiniteError on host after the step.
   c.nonfinite = "skip"
+  # --- metrics ---
+  # Wait for each step on host and report step_time_s, tokens_per_second and
+  # loss_tokens_per_second (wall clock; the first step includes compilation).
+  # False keeps dispatch asynchronous and omits these three metrics.
+  c.report_throughput = True
   return c
 
 

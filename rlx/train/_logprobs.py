@@ -18,8 +18,9 @@ class ComputeLogprobs:
   From `make_compute_logprobs`; runs one jitted, sharded function.
   """
 
-  def __init__(self, jitted: Any, micro_batches: int, mesh: Mesh):
+  def __init__(self, jitted: Any, micro_batches: int, mesh: Mesh, param_shardings: Any = None):
     self.jitted = jitted
+    self._param_shardings = param_shardings
     self.mesh = mesh
     self._micro_batches = micro_batches
     self._num_shards = _mesh.batch_axis_size(mesh)
@@ -27,6 +28,8 @@ class ComputeLogprobs:
   def __call__(self, params: Any, batch: Mapping[str, jax.Array]) -> Float[Array, "B S"]:
     if isinstance(params, _state.TrainState):
       params = params.params
+    if self._param_shardings is not None:
+      _mesh._check_same_structure(params, self._param_shardings, "params", "the policy's params")
     if "tokens" not in batch or "loss_mask" not in batch:
       raise ValueError(f"`batch` needs `tokens` and `loss_mask`, got keys {sorted(batch)}.")
     tokens = batch["tokens"]
@@ -76,7 +79,7 @@ def make_compute_logprobs(
   p_shardings = _mesh.param_shardings(model_config, mesh)
   batch_sharding = NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))
   micro_batches = cfg.micro_batches
-  gathered = _mesh.gathered_param_shardings(model_config, mesh) if cfg.gather_fsdp_params else None
+  gathered = _step.fsdp_gather_fns(model_config, cfg, mesh)
 
   def fn(params, inputs):
     mask = inputs["loss_mask"]
@@ -96,4 +99,4 @@ def make_compute_logprobs(
     return jnp.swapaxes(logp, 0, 1).reshape(inputs["tokens"].shape)
 
   jitted = jax.jit(fn, in_shardings=(p_shardings, batch_sharding), out_shardings=batch_sharding)
-  return ComputeLogprobs(jitted, micro_batches, mesh)
+  return ComputeLogprobs(jitted, micro_batches, mesh, p_shardings)

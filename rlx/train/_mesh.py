@@ -126,9 +126,12 @@ def param_shardings(model_config: Any, mesh: Mesh) -> Any:
 def gathered_param_shardings(model_config: Any, mesh: Mesh) -> Any:
   """Param shardings with the "fsdp" axis removed (tensor sharding kept).
 
-  The layout the train step all-gathers the params into right before the
-  forward (FSDP / ZeRO-3: params, grads and optimizer state are stored
-  sharded over "fsdp"; the gradient of the gather is a reduce-scatter).
+  The layout the train step all-gathers the params into for the forward
+  (FSDP / ZeRO-3: params, grads and optimizer state are stored sharded over
+  "fsdp"; the gradient of the gather is a reduce-scatter): the non-layer
+  params before the forward, each decoder layer inside the layer scan
+  (`gathered_layer_shardings`), or, with `gather_fsdp_per_layer=False`, the
+  whole tree before the forward.
 
   Args:
     model_config: an `rlx.policy.ModelConfig`.
@@ -149,6 +152,31 @@ def gathered_param_shardings(model_config: Any, mesh: Mesh) -> Any:
     policy.partition_rules(model_config, mesh),
     is_leaf=lambda x: isinstance(x, PartitionSpec),
   )
+
+
+def gathered_layer_shardings(model_config: Any, mesh: Mesh) -> Any:
+  """Shardings of ONE decoder layer's params after the per-layer FSDP gather.
+
+  `gathered_param_shardings(...)["layers"]` without the leading `[L]` axis:
+  the layout the train step's `layer_params_fn` constrains each layer slice to
+  inside the policy's layer scan (one layer gathered at a time).
+
+  Args:
+    model_config: an `rlx.policy.ModelConfig`.
+    mesh: a mesh from `make_mesh`.
+
+  Returns:
+    A pytree with the structure of `rlx.policy.get_layer(params, i)` whose
+    leaves are `NamedSharding`.
+  """
+
+  def drop_layer_axis(sharding: NamedSharding) -> NamedSharding:
+    spec = tuple(sharding.spec)
+    if spec and spec[0] is not None:
+      raise ValueError(f"The stacked layer axis must not be sharded, got spec {sharding.spec}.")
+    return NamedSharding(mesh, PartitionSpec(*spec[1:]))
+
+  return jax.tree.map(drop_layer_axis, gathered_param_shardings(model_config, mesh)["layers"])
 
 
 def shard_params(params: Any, model_config: Any, mesh: Mesh) -> Any:

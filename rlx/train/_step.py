@@ -18,11 +18,18 @@ Every micro-batch loss is divided by the denominator of the WHOLE mini-batch
 gradients equal those of the un-split mini-batch for every aggregation mode.
 Rollout correction and the M2PO mask depend only on (old, rollout) log-probs,
 so they are computed once on the whole batch before the loops.
+
+FSDP: params, gradients and optimizer state stay sharded over "fsdp"; each
+forward gathers the embedding / final norm / LM head before it and ONE decoder
+layer at a time inside the policy's layer scan (`fsdp_gather_fns`, passed to
+`rlx.policy.token_logprobs` as `layer_params_fn`), so the gathered weights in
+memory are about one layer plus the embedding/head instead of the whole model.
 """
 
 import functools
-from collections.abc import Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,15 +69,43 @@ class TrainStep:
   shardings that donates `state`; batch arrays not yet sharded along the
   batch axes (numpy, one device) are placed first. With `nonfinite="raise"` the call also
   checks the `skipped` metric on host and raises `NonFiniteError`.
+
+  With `report_throughput` (config `report_throughput`, default True) the
+  call waits for the step to finish and adds host-measured metrics (numpy
+  float32 scalars): `step_time_s` (wall time of the call, batch placement
+  included; the first call also includes compilation), `tokens_per_second`
+  (B * S positions processed / step_time_s) and `loss_tokens_per_second`
+  (valid loss tokens / step_time_s). Turn it off to keep dispatch fully
+  asynchronous (e.g. to overlap host work with the step).
   """
 
-  def __init__(self, jitted: Any, nonfinite: str, mesh: Mesh):
+  def __init__(self, jitted: Any, nonfinite: str, mesh: Mesh, *, report_throughput: bool = False):
     self.jitted = jitted
     self.mesh = mesh
     self._raise = nonfinite == "raise"
+    self._report_throughput = report_throughput
 
   def __call__(self, state: _state.TrainState, batch: Mapping[str, jax.Array]):
-    state, metrics = self.jitted(state, _mesh.place_batch(batch, self.mesh))
+    start = time.perf_counter()
+    if not isinstance(state, _state.TrainState):
+      raise ValueError(
+        f"`state` must be a rlx.train.TrainState (create_train_state), got {type(state).__name__}."
+      )
+    if not isinstance(batch, Mapping):
+      raise ValueError(f"`batch` must be a dict of arrays, got {type(batch).__name__}.")
+    placed = _mesh.place_batch(batch, self.mesh)
+    state, metrics = self.jitted(state, placed)
+    if self._report_throughput:
+      jax.block_until_ready(metrics)
+      elapsed = max(time.perf_counter() - start, 1e-9)
+      b, s = placed["tokens"].shape
+      loss_tokens = float(np.asarray(metrics["tokens"].addressable_data(0)))
+      metrics = dict(
+        metrics,
+        step_time_s=np.float32(elapsed),
+        tokens_per_second=np.float32(b * s / elapsed),
+        loss_tokens_per_second=np.float32(loss_tokens / elapsed),
+      )
     if self._raise:
       skipped = int(np.asarray(metrics["skipped"].addressable_data(0)))
       if skipped:
@@ -139,7 +174,9 @@ def make_train_step(
     vcpo_lr_factor, grad_norm (before clipping), update_norm, param_norm
     (after the step), learning_rate, tokens (valid loss tokens in the
     batch), skipped (updates skipped in this step), skipped_total, step (the
-    step index that ran).
+    step index that ran); with `train_config.report_throughput` also
+    step_time_s, tokens_per_second and loss_tokens_per_second, measured on
+    host (see `TrainStep`).
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
@@ -161,7 +198,7 @@ def make_train_step(
   p_shardings = shardings.params
   batch_spec = PartitionSpec(_mesh.BATCH_AXES)
   num_shards = _mesh.batch_axis_size(mesh)
-  gathered = _mesh.gathered_param_shardings(model_config, mesh) if cfg.gather_fsdp_params else None
+  gathered = fsdp_gather_fns(model_config, cfg, mesh)
   agg = _config.resolve_agg(cfg)
   loss_fn = _make_loss_fn(model_config, cfg, gathered)
 
@@ -262,7 +299,9 @@ def make_train_step(
     out_shardings=(shardings, _mesh.replicated(mesh)),
     donate_argnums=(0,) if donate else (),
   )
-  return TrainStep(jitted, cfg.nonfinite, mesh)
+  return TrainStep(
+    jitted, cfg.nonfinite, mesh, report_throughput=bool(cfg.get("report_throughput", True))
+  )
 
 
 def _update_count(opt_state: Any) -> jax.Array:
@@ -364,18 +403,82 @@ def _prepare_batch(batch: dict, cfg: ml_collections.ConfigDict, num_shards: int)
   return data, metrics
 
 
-def _token_logprobs(
-  params, data: dict, model_config: Any, cfg: ml_collections.ConfigDict, gathered: Any = None
-):
-  """`rlx.policy.token_logprobs` on a (micro-)batch dict, params gathered first.
+class FsdpGather(NamedTuple):
+  """How the forward gathers FSDP-sharded params (see `fsdp_gather_fns`).
 
-  With `gathered` (shardings without "fsdp"), the FSDP-sharded params are
-  all-gathered before the forward so the activations stay batch-sharded;
+  Attributes:
+    params_fn: applied to the whole params tree before the forward (None =
+      identity).
+    layer_params_fn: passed to `rlx.policy.token_logprobs`, applied to each
+      decoder layer's params inside the layer scan (None = identity).
+  """
+
+  params_fn: Callable[[Any], Any] | None
+  layer_params_fn: Callable[[Any], Any] | None
+
+
+NO_GATHER = FsdpGather(None, None)
+
+
+def fsdp_gather_fns(model_config: Any, cfg: ml_collections.ConfigDict, mesh: Mesh) -> FsdpGather:
+  """The param-gathering functions of the train step's forward (ZeRO-3 / FSDP).
+
+  - `gather_fsdp_params` and `gather_fsdp_per_layer` (default): the
+    embedding / final norm / LM head are all-gathered over "fsdp" before the
+    forward, and each decoder layer's slice of the stacked `[L, ...]` weights
+    inside the policy's layer scan (`rlx.policy` `layer_params_fn`), so
+    about one layer's gathered weights are live at a time (the backward pass
+    re-gathers each layer, and each layer's gradient is reduced back to its
+    shard inside the loop: a reduce-scatter where the backend has one, an
+    all-reduce + slice on CPU).
+  - `gather_fsdp_per_layer=False`: the whole tree is gathered before the
+    forward (gathered weights of every layer live at once).
+  - `gather_fsdp_params=False`: no constraint; XLA's sharding propagation
+    chooses (it may replicate the batch instead of gathering weights).
+  Tensor ("tensor" axis) sharding is kept in every case. On a mesh whose
+  "fsdp" axis has size 1 nothing needs gathering and both functions are None.
+
+  Args:
+    model_config: the `rlx.policy.ModelConfig`.
+    cfg: the train config (`gather_fsdp_params`, `gather_fsdp_per_layer`).
+    mesh: the mesh the params live on.
+
+  Returns:
+    An `FsdpGather`.
+  """
+  if not cfg.gather_fsdp_params or mesh.shape.get("fsdp", 1) == 1:
+    return NO_GATHER  # nothing is sharded over "fsdp"
+  gathered = _mesh.gathered_param_shardings(model_config, mesh)
+  if not cfg.get("gather_fsdp_per_layer", True):
+    return FsdpGather(lambda p: jax.lax.with_sharding_constraint(p, gathered), None)
+  top = {k: v for k, v in gathered.items() if k != "layers"}
+  layer = _mesh.gathered_layer_shardings(model_config, mesh)
+
+  def params_fn(params):
+    rest = {k: params[k] for k in top}
+    return dict(params, **jax.lax.with_sharding_constraint(rest, top))
+
+  def layer_params_fn(layer_params):
+    return jax.lax.with_sharding_constraint(layer_params, layer)
+
+  return FsdpGather(params_fn, layer_params_fn)
+
+
+def _token_logprobs(
+  params,
+  data: dict,
+  model_config: Any,
+  cfg: ml_collections.ConfigDict,
+  gather: FsdpGather = NO_GATHER,
+):
+  """`rlx.policy.token_logprobs` on a (micro-)batch dict, FSDP params gathered.
+
+  With gathering (`fsdp_gather_fns`) the activations stay batch-sharded;
   without it XLA may instead keep the weights' model-dim sharding and
   replicate the batch (much more communication).
   """
-  if gathered is not None:
-    params = jax.lax.with_sharding_constraint(params, gathered)
+  if gather.params_fn is not None:
+    params = gather.params_fn(params)
   kwargs = {}
   if cfg.logprob_chunk_size:
     kwargs["chunk_size"] = int(cfg.logprob_chunk_size)
@@ -387,6 +490,7 @@ def _token_logprobs(
     positions=data.get("positions"),
     segment_ids=data.get("segment_ids"),
     temperature=float(cfg.temperature),
+    layer_params_fn=gather.layer_params_fn,
     **kwargs,
   )
 

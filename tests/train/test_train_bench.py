@@ -26,6 +26,7 @@ def test_bench_train_step_runs_and_prints_the_table(tmp_path):
       "--seq=16",
       "--prompt=4",
       "--steps=1",
+      "--gather_modes=layer,model",
       f"--out={out}",
     ],
     env=env,
@@ -35,6 +36,8 @@ def test_bench_train_step_runs_and_prints_the_table(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   table = out.read_text()
-  assert "| 1x2x1 |" in table and "n/a (CPU)" in table
+  assert "| 1x2x1 | layer |" in table and "| 1x2x1 | model |" in table
+  assert "n/a (CPU)" in table
   assert "Rerun: `python " in table and "--layouts=1x2x1" in table
+  assert "--gather_modes=layer,model" in table
   assert table in proc.stdout

@@ -48,9 +48,15 @@ def test_resume_in_new_process_is_bitwise_equal(tmp_path):
   resumed = np.load(out)
   assert int(resumed["step"]) == total
   want = tl.host_params(straight)
-  assert len(resumed.files) == len(want) + 1
+  saved = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(partial))]
+  assert len(resumed.files) == len(want) + 1 + len(saved)
   for i, leaf in enumerate(want):
     np.testing.assert_array_equal(resumed[f"arr_{i}"], leaf)
+  # The whole state round-tripped bitwise: step, params, optimizer state, rng, skipped.
+  restored = [resumed[f"restored_{i}"] for i in range(len(saved))]
+  for got, want_leaf in zip(restored, saved, strict=True):
+    assert got.dtype == want_leaf.dtype
+    np.testing.assert_array_equal(got, want_leaf)
 
 
 def test_restore_onto_another_mesh_and_keep_training(tmp_path):

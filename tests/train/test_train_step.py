@@ -1,6 +1,7 @@
 """The sharded train step: sharding invariance, micro/mini-batching, losses, NaN skipping."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,15 @@ def test_params_actually_move_and_metrics_are_reported():
   assert first["learning_rate"] == 0.0 and history[1]["learning_rate"] == pytest.approx(5e-4)
   assert first["entropy"] > 0 and first["grad_norm"] > 0 and first["skipped"] == 0
   assert [h["step"] for h in history] == [0, 1, 2]
+  # Host-measured throughput (config.report_throughput, default on).
+  for h in history:
+    assert h["step_time_s"] > 0
+    np.testing.assert_allclose(
+      h["tokens_per_second"] * h["step_time_s"], batch["tokens"].size, rtol=1e-4
+    )
+    np.testing.assert_allclose(
+      h["loss_tokens_per_second"] * h["step_time_s"], h["tokens"], rtol=1e-4
+    )
 
 
 def test_micro_batched_equals_full_batch():
@@ -164,19 +174,74 @@ def test_nonfinite_raise_mode():
   raising = train.TrainStep(step_fn.jitted, "raise", m)
   state = tl.init_state(m, cfg)
   before = tl.host_params(state)
+  opt_before = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.opt_state))]
   with pytest.raises(train.NonFiniteError, match="non-finite") as info:
     raising(state, _nan_batch(m, state, logprobs))
   assert info.value.metrics["skipped"] == 1
+  assert "tokens_per_second" not in info.value.metrics  # TrainStep default: no host timing
   for got, want in zip(tl.host_params(info.value.state), before, strict=True):
     np.testing.assert_array_equal(got, want)
+  opt_after = jax.tree.leaves(jax.device_get(info.value.state.opt_state))
+  for got, want in zip(opt_after, opt_before, strict=True):
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# Each non-default loss runs paired with one KL estimator, so one compile per
+# loss also covers every kl_kind (ppo + k3+ run in the composition test below).
+_KL_KIND_FOR_LOSS = {
+  "gspo": "k1",
+  "ctpo": "abs",
+  "minpro": "k2",
+  "cispo": "k3",
+  "sapo": "low_var_kl",
+  "aspo": "k3+",
+}
+
+
+@functools.cache
+def _reference_params(layout: str):
+  m = tl.mesh(layout)
+  params = policy.init_params(tl.model_config(), jax.random.PRNGKey(7))
+  return train.shard_params(params, tl.model_config(), m)
 
 
 @pytest.mark.parametrize("loss", sorted(set(objectives.POLICY_LOSSES) - {"ppo"}))
-def test_every_policy_loss_runs_through_the_step(loss):
-  _, history = tl.run_steps("single", 1, loss=loss)
-  metrics = history[0]
+def test_every_policy_loss_and_kl_kind_runs_through_the_step(loss):
+  kind = _KL_KIND_FOR_LOSS[loss]
+  kl_coef = 0.05
+  m, cfg, step_fn, _ = tl.fns("single", loss=loss, kl_coef=kl_coef, kl_kind=kind)
+  logprobs = tl.fns("single")[3]
+
+  def run(zero_advantages: bool):
+    state = tl.init_state(m, cfg)
+    host = tl.make_batch(0)
+    if zero_advantages:
+      host["advantages"] = np.zeros_like(host["advantages"])
+    batch = tl.prepare(host, m, state, logprobs, ref_params=_reference_params("single"))
+    _, metrics = step_fn(state, batch)
+    return batch, train.to_host(metrics)
+
+  batch, metrics = run(zero_advantages=False)
   assert metrics["skipped"] == 0
   assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+  # kl_loss is objectives.kl_penalty(kind) of the current policy (== old_logp
+  # at the first update) against the reference, aggregated like the loss.
+  mask = np.asarray(batch["loss_mask"]) != 0
+  per_token = objectives.kl_penalty(
+    np.asarray(batch["old_logp"]), np.asarray(batch["ref_logp"]), kind, mask=mask
+  )
+  want = objectives.aggregate(per_token, mask, train.resolve_agg(cfg))
+  assert float(want) > 1e-3  # the reference really differs
+  np.testing.assert_allclose(metrics["kl_loss"], want, rtol=1e-4)
+  np.testing.assert_allclose(
+    metrics["loss"], metrics["policy_loss"] + kl_coef * metrics["kl_loss"], rtol=1e-5
+  )
+  # With zero advantages the policy loss has zero gradient: the whole
+  # gradient comes from the KL term, so it is differentiated for every kind.
+  _, zero = run(zero_advantages=True)
+  assert zero["policy_loss"] == 0.0
+  np.testing.assert_allclose(zero["kl_loss"], metrics["kl_loss"], rtol=1e-6)
+  assert zero["grad_norm"] > 1e-4
 
 
 def test_bapo_m2po_correction_kl_entropy_compose():
@@ -247,7 +312,107 @@ def test_batch_validation_errors():
     tl.fns("single", mini_batches=3)[2](state, good)
   with pytest.raises(ValueError, match="`tokens` has 12 rows, not divisible"):
     tl.fns("data8")[2](state, {k: v[:12] for k, v in good.items()})
+  with pytest.raises(ValueError, match="`state` must be a rlx.train.TrainState"):
+    step_fn(state.params, good)
+  with pytest.raises(ValueError, match="`batch` must be a dict"):
+    step_fn(state, list(good.values()))
+  with pytest.raises(ValueError, match="`params` has tree structure"):
+    logprobs({"embed": state.params["embed"]}, good)
   with pytest.raises(ValueError, match="config.loss"):
     train.make_train_step(tl.model_config(), tl.train_config(loss="trpo"), m)
   with pytest.raises(ValueError, match="use_bapo"):
     train.make_train_step(tl.model_config(), tl.train_config(loss="gspo", use_bapo=True), m)
+
+
+def _hlo_computations(hlo: str) -> dict[str, str]:
+  """Compiled HLO text -> {computation name: its text}."""
+  out = {}
+  for block in re.split(r"\n(?=\S)", hlo):
+    match = re.match(r"(?:ENTRY )?%?([\w.\-]+) \(", block)
+    if match:
+      out[match.group(1)] = block
+  return out
+
+
+def _result_shapes(line: str, op: str) -> list[tuple[int, ...]]:
+  """Array shapes of the result type of an `op` instruction line (tuples flattened)."""
+  result_type = line.split(" = ", 1)[1].split(f" {op}(", 1)[0]
+  return [
+    tuple(int(d) for d in dims.split(",") if d)
+    for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", result_type)
+  ]
+
+
+def test_fsdp_params_are_gathered_one_layer_at_a_time():
+  """ZeRO-3 in the compiled step: each layer's weights are all-gathered inside the layer loop.
+
+  For every FSDP-sharded stacked layer weight [L, ...], the compiled (SPMD
+  partitioned) step must (a) all-gather its one-layer slice inside a while-loop
+  body, and (b) never hold the gathered whole stack: no all-gather produces it
+  and no while loop carries it (e.g. as a residual saved for the backward
+  pass). Whole-model gathering (`gather_fsdp_per_layer=False`) fails (a) and (b).
+  """
+  layout = "d2f2t2"  # the compile is shared with test_sharded_step_equals_single_device
+  m, cfg, step_fn, logprobs = tl.fns(layout)
+  state = tl.init_state(m, cfg)
+  batch = tl.prepare(tl.make_batch(0), m, state, logprobs)
+  hlo = step_fn.lower(state, batch).compile().as_text()
+
+  mc = tl.model_config()
+  shapes = jax.eval_shape(functools.partial(policy.init_params, mc), jax.random.PRNGKey(0))
+  stored = train.param_shardings(mc, m)["layers"]
+  gathered = train.gathered_layer_shardings(mc, m)
+  per_layer, stacks = {}, {}
+  for (path, leaf), store, gather in zip(
+    jax.tree_util.tree_leaves_with_path(shapes["layers"]),
+    jax.tree.leaves(stored),
+    jax.tree.leaves(gathered),
+    strict=True,
+  ):
+    one = gather.shard_shape(leaf.shape[1:])
+    if store.shard_shape(leaf.shape)[1:] != one:  # sharded over "fsdp"
+      name = jax.tree_util.keystr(path)
+      per_layer[name] = one
+      stacks[name] = (mc.num_layers,) + one
+  assert len(per_layer) == 7  # q, k, v, o, gate, up, down kernels
+
+  computations = _hlo_computations(hlo)
+  names = set(computations)
+  calls = {
+    name: set(re.findall(r"%([\w.\-]+)", text)) & names - {name}
+    for name, text in computations.items()
+  }
+  in_loop = set(re.findall(r"body=%([\w.\-]+)", hlo))
+  frontier = list(in_loop)
+  while frontier:
+    for callee in calls[frontier.pop()] - in_loop:
+      in_loop.add(callee)
+      frontier.append(callee)
+  gathers_in_loop, gathers, loop_state = set(), set(), set()
+  for name, text in computations.items():
+    for line in text.splitlines():
+      for op in ("all-gather", "all-gather-start"):
+        if f" {op}(" in line:
+          result = _result_shapes(line, op)
+          gathers.update(result)
+          if name in in_loop:
+            gathers_in_loop.update(result)
+      if " while(" in line:
+        loop_state.update(_result_shapes(line, "while"))
+  assert gathers, "no all-gather found in the compiled step"
+  # Loops legitimately carry the stored (sharded) params, grads and moments; a
+  # gathered stack whose shape equals one of those cannot be told apart.
+  stored_shapes = {
+    sharding.shard_shape(leaf.shape)
+    for leaf, sharding in zip(
+      jax.tree.leaves(shapes), jax.tree.leaves(train.param_shardings(mc, m)), strict=True
+    )
+  }
+  checked_loop_state = 0
+  for name, one in per_layer.items():
+    assert one in gathers_in_loop or (1,) + one in gathers_in_loop, (name, sorted(gathers))
+    assert stacks[name] not in gathers, (name, "gathered whole stack")
+    if stacks[name] not in stored_shapes:
+      assert stacks[name] not in loop_state, (name, "gathered stack carried by a loop")
+      checked_loop_state += 1
+  assert checked_loop_state >= 4
