@@ -142,8 +142,8 @@ def make_train_step(
     loss = sum_m [ L_policy(m; agg_scale=Z) + kl_coef * agg(KL(m), Z)
                    - entropy_coef * agg(H(m), Z) ]
   which equals the un-split mini-batch's loss (and gradient) for every
-  aggregation mode. Exception: ASPO's top-20%-entropy threshold is computed
-  by the loss per micro-batch, so ASPO with micro_batches > 1 differs slightly.
+  aggregation mode (ASPO included: its high-entropy threshold is a
+  per-sequence quantile, so splitting the batch does not move it).
   Update: params <- AdamW(clip_by_global_norm(grad)), skipped (params and
   optimizer state kept) if the loss or the gradient norm is not finite.
 
