@@ -8,6 +8,9 @@ from jaxtyping import Array, Float
 
 from rlx.objectives import _checks
 
+# BAPO's dual-clip constant c for A < 0 (the reference's `clip_ratio_c`).
+BAPO_DUAL_CLIP = 3.0
+
 
 class BapoClipBounds(NamedTuple):
   """Adapted ratio bounds (float32 scalars, no gradient).
@@ -16,11 +19,26 @@ class BapoClipBounds(NamedTuple):
     c_low: lower ratio bound (PPO's 1 - clip_low).
     c_high: upper ratio bound (PPO's 1 + clip_high).
     positive_share: P / (P + N) at the returned bounds (1 when P + N = 0).
+    dual_clip: the dual-clip constant c the bounds were computed with (a
+      float32 scalar), or None when disabled.
   """
 
   c_low: jax.Array
   c_high: jax.Array
   positive_share: jax.Array
+  dual_clip: jax.Array | None = None
+
+  def clip_kwargs(self) -> dict[str, jax.Array | None]:
+    """The bounds as PPO-convention loss keywords (`PolicyLossSpec.clip_keywords`).
+
+    `{"clip_low": 1 - c_low, "clip_high": c_high - 1, "dual_clip": dual_clip}`,
+    so `ratio` is clipped to `[c_low, c_high]` and capped at `c` for A < 0.
+    """
+    return {
+      "clip_low": 1.0 - self.c_low,
+      "clip_high": self.c_high - 1.0,
+      "dual_clip": self.dual_clip,
+    }
 
 
 def bapo_clip_bounds(
@@ -35,7 +53,7 @@ def bapo_clip_bounds(
   c_high_max: float = 3.0,
   delta: float = 0.05,
   rho0: float = 0.5,
-  dual_clip: float | None = 3.0,
+  dual_clip: float | None = BAPO_DUAL_CLIP,
 ) -> BapoClipBounds:
   """BAPO adaptive clip bounds [c_low, c_high] for one batch.
 
@@ -49,7 +67,8 @@ def bapo_clip_bounds(
   its max, raise c_high by delta up to c_high_max. The loop is a
   `lax.while_loop`, so the function jits and the bounds come back as traced
   scalars that PPO-style losses accept as clip hyper-parameters, e.g.
-  `ppo_clip_loss(..., clip_low=1 - b.c_low, clip_high=b.c_high - 1, dual_clip=3.0)`.
+  `ppo_clip_loss(..., **b.clip_kwargs())`
+  (`clip_low=1 - b.c_low, clip_high=b.c_high - 1, dual_clip=b.dual_clip`).
 
   Deliberate deviation from the reference implementation: the reference counts
   clipped tokens at their clipped value (min(r, c_high) for A > 0 and
@@ -78,7 +97,8 @@ def bapo_clip_bounds(
       gradient); None disables it.
 
   Returns:
-    `BapoClipBounds(c_low, c_high, positive_share)`, float32 scalars.
+    `BapoClipBounds(c_low, c_high, positive_share, dual_clip)`, float32
+    scalars (`dual_clip` None when disabled).
   """
   _checks.check_token_arrays(
     logp=logp, old_logp=old_logp, advantages=advantages, mask=jnp.asarray(mask)
@@ -136,4 +156,9 @@ def bapo_clip_bounds(
 
   k_low, k_high = jax.lax.while_loop(cond, body, (jnp.float32(0.0), jnp.float32(0.0)))
   lo, hi = bounds(k_low, k_high)
-  return BapoClipBounds(c_low=lo, c_high=hi, positive_share=share(k_low, k_high))
+  return BapoClipBounds(
+    c_low=lo,
+    c_high=hi,
+    positive_share=share(k_low, k_high),
+    dual_clip=None if dual_clip is None else jnp.float32(dual_clip),
+  )
