@@ -1,0 +1,180 @@
+"""The embedded default task: multi-digit arithmetic with reversed-digit answers.
+
+A prompt is `"<bos>042+917="` and its target `"9590<eos>"`: 42 + 917 = 959,
+written with a fixed width (num_digits + 1 for a sum) and its digits reversed,
+least significant first. Character tokens (`rlx.policy.CharTokenizer` over
+"0123456789+-*=", 17 ids with the specials) keep the vocabulary tiny, and the
+reward is token exact match, in JAX as well as on the host.
+
+Why reversed and fixed-width: a causal model that writes the least
+significant digit first computes each output digit from the two operand
+digits at that place and the carry of the digit it has just written; in the
+usual order the first digit it writes depends on the carries of every lower
+place, which it has not written yet. Small transformers learn addition from
+far fewer examples in reversed order (Lee et al., "Teaching Arithmetic to
+Small Transformers", 2023, https://arxiv.org/abs/2307.03381). Zero-padding the
+operands and the answer puts every digit at a fixed position, so a tiny model
+only needs fixed-offset attention (Shen et al., "Positional Description
+Matters for Transformers Arithmetic", 2023, https://arxiv.org/abs/2311.14737).
+Both are on by default and can be turned off.
+
+Splits are drawn from one seeded stream in the order test, dev, train, so the
+held-out problems do not depend on `train_size`; no problem appears in two
+splits, and for `+` and `*` neither does its commuted form (`a+b` vs `b+a`).
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from rlx.policy import CharTokenizer
+from rlx.tasks._base import SPLITS, Example, Task, check_split_name
+from rlx.tasks._exact_match import exact_match_jax_reward, exact_match_rewards
+
+ALPHABET = "0123456789+-*="
+OPERATIONS = ("+", "-", "*")
+
+
+def _answer_width(op: str, num_digits: int) -> int:
+  return {"+": num_digits + 1, "-": num_digits, "*": 2 * num_digits}[op]
+
+
+class ArithmeticTask(Task):
+  """Multi-digit `a op b =` problems with exact-match reward (JAX and host).
+
+  Args:
+    num_digits: operands are uniform in [0, 10**num_digits).
+    operations: a subset of ("+", "-", "*"), each problem draws one uniformly.
+      Subtraction puts the larger operand first (answers are never negative).
+    reverse_answer: write the answer least significant digit first.
+    fixed_width: zero-pad operands to `num_digits` and the answer to its
+      operation's width (digits + 1 for "+", digits for "-", 2 x digits for
+      "*"); False writes numbers without leading zeros.
+    train_size, dev_size, test_size: problems per split (disjoint).
+    seed: the seed of the split generator.
+    add_bos: start each prompt with `<bos>`.
+    require_stop: a correct completion must end with `<eos>` (False also
+      accepts the bare answer, e.g. a completion cut at `max_answer_len`).
+    name: the task name in messages.
+  """
+
+  def __init__(
+    self,
+    *,
+    num_digits: int = 3,
+    operations: Sequence[str] = ("+",),
+    reverse_answer: bool = True,
+    fixed_width: bool = True,
+    train_size: int = 5000,
+    dev_size: int = 200,
+    test_size: int = 500,
+    seed: int = 0,
+    add_bos: bool = True,
+    require_stop: bool = True,
+    name: str = "arithmetic",
+  ):
+    self.name = name
+    if not isinstance(num_digits, int) or not 1 <= num_digits <= 18:
+      raise ValueError(
+        f"Task {name!r}: `num_digits` must be an int in [1, 18], got {num_digits!r}."
+      )
+    if isinstance(operations, str):
+      operations = tuple(operations)
+    operations = tuple(operations)
+    bad = [op for op in operations if op not in OPERATIONS]
+    if not operations or bad or len(set(operations)) != len(operations):
+      raise ValueError(
+        f"Task {name!r}: `operations` must be distinct entries of {OPERATIONS}, got {operations}."
+      )
+    sizes = {"train": train_size, "dev": dev_size, "test": test_size}
+    for split, size in sizes.items():
+      if not isinstance(size, int) or size < 0:
+        raise ValueError(f"Task {name!r}: `{split}_size` must be an int >= 0, got {size!r}.")
+    if train_size == 0:
+      raise ValueError(f"Task {name!r}: `train_size` must be > 0 (an empty train split).")
+    self.num_digits = num_digits
+    self.operations = operations
+    self.reverse_answer = reverse_answer
+    self.fixed_width = fixed_width
+    self.seed = seed
+    self.add_bos = add_bos
+    self.require_stop = require_stop
+    self.tokenizer = CharTokenizer(ALPHABET)
+    self.stop_token_ids = (self.tokenizer.eos_id,)
+    self.jax_reward = exact_match_jax_reward(self.stop_token_ids, require_stop=require_stop)
+
+    problems = self._draw(sizes)
+    self._splits = {split: tuple(self._example(*p) for p in problems[split]) for split in SPLITS}
+    every = [e for split in SPLITS for e in self._splits[split]]
+    self.max_prompt_len = max(len(e.prompt_ids) for e in every)
+    self.max_answer_len = max(_answer_width(op, num_digits) for op in operations) + 1
+
+  def _draw(self, sizes: dict[str, int]) -> dict[str, list[tuple[str, int, int]]]:
+    """Distinct problems per split; keys are (op, min, max) so commuted forms collide."""
+    total = sum(sizes.values())
+    m = 10**self.num_digits
+    per_op = m * (m + 1) // 2  # unordered operand pairs
+    space = per_op * len(self.operations)
+    if total > space:
+      raise ValueError(
+        f"Task {self.name!r}: {total} problems requested but only {space} distinct ones exist "
+        f"with num_digits={self.num_digits} and operations={self.operations}."
+      )
+    rng = np.random.default_rng(self.seed)
+    drawn: list[tuple[str, int, int]] = []
+    if 2 * total > space:  # small space: permute all of it
+      keys = [(op, lo, hi) for op in self.operations for hi in range(m) for lo in range(hi + 1)]
+      order = rng.permutation(len(keys))[:total]
+      flips = rng.random(total) < 0.5
+      for index, flip in zip(order, flips, strict=True):
+        op, lo, hi = keys[index]
+        drawn.append((op, hi, lo) if flip or op == "-" else (op, lo, hi))
+    else:
+      seen = set()
+      while len(drawn) < total:
+        ops = rng.integers(0, len(self.operations), size=total)
+        a = rng.integers(0, m, size=total, dtype=np.int64)
+        b = rng.integers(0, m, size=total, dtype=np.int64)
+        for o, x, y in zip(ops.tolist(), a.tolist(), b.tolist(), strict=True):
+          op = self.operations[o]
+          key = (op, min(x, y), max(x, y))
+          if key in seen:
+            continue
+          seen.add(key)
+          drawn.append((op, max(x, y), min(x, y)) if op == "-" else (op, x, y))
+          if len(drawn) == total:
+            break
+    out, start = {}, 0
+    for split in ("test", "dev", "train"):
+      out[split] = drawn[start : start + sizes[split]]
+      start += sizes[split]
+    return out
+
+  def _number(self, value: int, width: int) -> str:
+    return str(value).zfill(width) if self.fixed_width else str(value)
+
+  def _example(self, op: str, a: int, b: int) -> Example:
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    prompt = f"{self._number(a, self.num_digits)}{op}{self._number(b, self.num_digits)}="
+    answer = self._number(value, _answer_width(op, self.num_digits))
+    if self.reverse_answer:
+      answer = answer[::-1]
+    tok = self.tokenizer
+    return Example(
+      prompt_ids=tuple(tok.encode(prompt, add_special_tokens=self.add_bos)),
+      answer=answer,
+      target_ids=(*tok.encode(answer), tok.eos_id),
+      prompt_text=prompt,
+    )
+
+  def split(self, name: str) -> Sequence[Example]:
+    """The examples of "train", "dev" or "test" (a tuple, in generation order)."""
+    check_split_name(self.name, name, self._splits)
+    return self._splits[name]
+
+  def score(self, examples: Sequence[Example], completions: list[list[int]]) -> np.ndarray:
+    """1.0 when the completion is exactly the answer's tokens then `<eos>`, else 0.0."""
+    answers = [self.answer_tokens(e) for e in examples]
+    return exact_match_rewards(
+      answers, completions, self.stop_token_ids, require_stop=self.require_stop
+    )
