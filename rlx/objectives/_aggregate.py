@@ -32,9 +32,10 @@ AGG_MODES = (
 def _default_scale(valid: jax.Array, mode: str) -> jax.Array:
   if mode == "token-mean":
     return jnp.sum(valid).astype(jnp.float32)
+  num_sequences = jnp.sum(jnp.any(valid, axis=1)).astype(jnp.float32)
   if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-    return jnp.sum(jnp.any(valid, axis=1)).astype(jnp.float32)
-  return jnp.asarray(valid.shape[1], jnp.float32)
+    return num_sequences
+  return num_sequences * jnp.float32(valid.shape[1])
 
 
 def aggregate_scale(mask: Shaped[Array, "B T"], mode: str) -> Float[Array, ""]:
@@ -43,7 +44,8 @@ def aggregate_scale(mask: Shaped[Array, "B T"], mode: str) -> Float[Array, ""]:
   - token-mean: number of valid tokens `sum m`.
   - seq-mean-token-sum, seq-mean-token-mean: number of sequences with at least
     one valid token.
-  - seq-mean-token-sum-norm: the constant `T` (padded length of `mask`).
+  - seq-mean-token-sum-norm: `|V| * T`, the number of sequences with at least
+    one valid token times the padded length `T` of `mask`.
 
   Args:
     mask: 1/True on the tokens that count, with shape `[B, T]` (the FULL batch
@@ -72,9 +74,18 @@ def aggregate(
   - "token-mean":              `sum_it L m / sum_it m`
   - "seq-mean-token-sum":      `sum_{i in V} (sum_t L m) / |V|`
   - "seq-mean-token-mean":     `sum_{i in V} (sum_t L m / n_i) / |V|`
-  - "seq-mean-token-sum-norm": `sum_it L m / T` (Dr.GRPO, Liu et al. 2025,
-    https://arxiv.org/abs/2503.20783, with verl's constant `T` = padded length;
-    TRL additionally divides by the batch size: pass `scale = B * T` for that).
+  - "seq-mean-token-sum-norm": `sum_{i in V} (sum_t L m / T) / |V|`
+    `= sum_it L m / (|V| T)`, the mean over sequences of the token sum divided
+    by the constant `T` = padded length (Dr.GRPO, Liu et al. 2025,
+    https://arxiv.org/abs/2503.20783: the `1/G` stays, only `1/|o_i|` becomes
+    the constant; verl `agg_loss` with `loss_scale_factor = T`, TRL's
+    "dr_grpo" loss `sum L m / (B T)`). For a fixed-length normaliser other
+    than the padded length (e.g. the maximum response length, so that it
+    stays constant throughout training), pass `scale = |V| * L_max`.
+
+  verl's `agg_loss` divides the sequence modes by the global batch size,
+  which counts sequences whose mask is all zero; rlx excludes them (`|V|`),
+  so a padded row never dilutes the mean. With every row valid the two agree.
 
   A zero denominator (no valid token at all) gives 0, never NaN. Masked values
   are removed with `where`, so NaN/inf there never reaches the result or its
@@ -85,7 +96,7 @@ def aggregate(
       computed in float32).
     mask: 1/True on the tokens that count, with shape `[B, T]`.
     mode: one of `AGG_MODES`.
-    scale: optional scalar replacing the denominator (`sum m`, `|V|` or `T`),
+    scale: optional scalar replacing the denominator (`sum m`, `|V|` or `|V| T`),
       e.g. `aggregate_scale(full_batch_mask, mode)` for micro-batching. Must be
       >= 0 when concrete.
 

@@ -14,18 +14,20 @@ NAN = np.nan
 VALUES = np.array([[1.0, 2.0, 3.0, NAN], [NAN, NAN, NAN, NAN], [4.0, NAN, NAN, NAN]], np.float32)
 MASK = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], np.float32)
 # Hand-computed: token sums 6 and 4 (total 10), 4 valid tokens, 2 non-empty
-# sequences, T = 4; per-sequence means 2 and 4.
+# sequences, T = 4; per-sequence means 2 and 4. The empty row 1 is excluded
+# from every sequence mean.
 EXPECTED = {
   "token-mean": 10.0 / 4,
   "seq-mean-token-sum": (6.0 + 4.0) / 2,
   "seq-mean-token-mean": (2.0 + 4.0) / 2,
-  "seq-mean-token-sum-norm": 10.0 / 4,
+  # Mean over the 2 sequences of (token sum / T): (6 / 4 + 4 / 4) / 2.
+  "seq-mean-token-sum-norm": (6.0 / 4 + 4.0 / 4) / 2,
 }
 EXPECTED_SCALE = {
   "token-mean": 4.0,
   "seq-mean-token-sum": 2.0,
   "seq-mean-token-mean": 2.0,
-  "seq-mean-token-sum-norm": 4.0,
+  "seq-mean-token-sum-norm": 2.0 * 4.0,
 }
 MODES = [(m, m) for m in AGG_MODES]
 
@@ -48,9 +50,29 @@ class AggregateTest(chex.TestCase):
     np.testing.assert_allclose(jitted(VALUES, MASK, jnp.float32(5.0)), numerator / 5.0, 1e-6)
 
   def test_seq_mean_token_sum_norm_custom_constant(self):
-    # TRL's Dr.GRPO divides by batch size too: scale = B * T.
+    # A constant other than the default |V| * T, e.g. TRL's B * T counting the empty row.
     out = aggregate(VALUES, MASK, "seq-mean-token-sum-norm", scale=3 * 4)
     np.testing.assert_allclose(out, 10.0 / 12, rtol=1e-6)
+
+  def test_seq_mean_token_sum_norm_micro_batches_hand_values(self):
+    # 4 sequences of T = 2: token sums 3, 0 (empty row), 5, -1 -> |V| = 3.
+    values = np.array([[1.0, 2.0], [9.0, 9.0], [5.0, 7.0], [-1.0, 0.0]], np.float32)
+    mask = np.array([[1, 1], [0, 0], [1, 0], [1, 0]], np.float32)
+    want = (3.0 / 2 + 5.0 / 2 - 1.0 / 2) / 3
+    np.testing.assert_allclose(aggregate(values, mask, "seq-mean-token-sum-norm"), want, 1e-6)
+    scale = aggregate_scale(mask, "seq-mean-token-sum-norm")
+    np.testing.assert_allclose(scale, 3 * 2)
+    halves = [
+      aggregate(values[i : i + 2], mask[i : i + 2], "seq-mean-token-sum-norm", scale=scale)
+      for i in (0, 2)
+    ]
+    # First half holds sequence sums 3 and the empty row, second 5 and -1.
+    np.testing.assert_allclose(halves, [3.0 / 6, 4.0 / 6], rtol=1e-6)
+    np.testing.assert_allclose(sum(halves), want, rtol=1e-6)
+    # Without the global scale each half would use its own |V|: 3/2/1 and 4/2/2.
+    np.testing.assert_allclose(
+      aggregate(values[:2], mask[:2], "seq-mean-token-sum-norm"), 3.0 / 2, rtol=1e-6
+    )
 
   @parameterized.named_parameters(*MODES)
   def test_empty_mask_gives_zero(self, mode):
