@@ -33,6 +33,8 @@ from rlx.tasks._exact_match import exact_match_jax_reward, exact_match_rewards
 
 ALPHABET = "0123456789+-*="
 OPERATIONS = ("+", "-", "*")
+_ENUMERATE_BELOW = 50_000  # problem spaces up to this size are permuted whole
+_CHUNK = 4096
 
 
 def _answer_width(op: str, num_digits: int) -> int:
@@ -122,19 +124,21 @@ class ArithmeticTask(Task):
       )
     rng = np.random.default_rng(self.seed)
     drawn: list[tuple[str, int, int]] = []
-    if 2 * total > space:  # small space: permute all of it
+    # The draw is a prefix of one fixed stream (enumerated when the space is
+    # small, else fixed-size chunks), so smaller sizes give prefixes of it.
+    if space <= _ENUMERATE_BELOW:
       keys = [(op, lo, hi) for op in self.operations for hi in range(m) for lo in range(hi + 1)]
       order = rng.permutation(len(keys))[:total]
-      flips = rng.random(total) < 0.5
+      flips = rng.random(len(keys))[:total] < 0.5
       for index, flip in zip(order, flips, strict=True):
         op, lo, hi = keys[index]
         drawn.append((op, hi, lo) if flip or op == "-" else (op, lo, hi))
     else:
       seen = set()
       while len(drawn) < total:
-        ops = rng.integers(0, len(self.operations), size=total)
-        a = rng.integers(0, m, size=total, dtype=np.int64)
-        b = rng.integers(0, m, size=total, dtype=np.int64)
+        ops = rng.integers(0, len(self.operations), size=_CHUNK)
+        a = rng.integers(0, m, size=_CHUNK, dtype=np.int64)
+        b = rng.integers(0, m, size=_CHUNK, dtype=np.int64)
         for o, x, y in zip(ops.tolist(), a.tolist(), b.tolist(), strict=True):
           op = self.operations[o]
           key = (op, min(x, y), max(x, y))
