@@ -10,12 +10,14 @@ reference and prints one table:
     that as a fraction of the device copy bandwidth measured in the same run
     (a large `x * 2` elementwise copy: bytes read + written per second). Also the time of
     the XLA reference path (`impl="xla"`) for comparison.
-  * FP8 blockwise matmul (`fp8_blockwise_matmul`, DeepSeek-V3 scales): errors
-    vs `fp8_blockwise_matmul_reference` on the same quantized inputs, TFLOP/s,
-    and the ratio to a bf16 `jnp.dot` on the same shape (incl. 4096^3).
+  * FP8 blockwise matmul (`fp8_blockwise_matmul`, DeepSeek-V3 scales,
+    https://arxiv.org/abs/2412.19437): errors vs `fp8_blockwise_matmul_reference`
+    on the same quantized inputs, TFLOP/s, and the ratio to a bf16 `jnp.dot` on
+    the same shape (incl. 4096^3).
 
-Targets from issue 4 (H100/H200): paged attention >= 0.80 of copy bandwidth at
-long context; FP8 matmul >= 1.6x bf16 at 4096^3.
+Targets (H100/H200): paged attention >= 0.80 of copy bandwidth at long context
+(decode is bandwidth-bound, PagedAttention https://arxiv.org/abs/2309.06180);
+FP8 matmul >= 1.6x bf16 at 4096^3 (the FP8 tensor cores have twice the bf16 peak).
 
 Status: written without access to a GPU or TPU, so the full run has NOT been
 executed yet and no hardware table is committed. `--smoke` runs everything with

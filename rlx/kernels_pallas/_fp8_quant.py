@@ -1,7 +1,8 @@
 """FP8 quantizers: 128x128 weight blocks and dynamic 1x128 activation groups.
 
-Convention (DeepSeek-V3 / DeepGEMM, REFERENCE.md "FP8 rollout"): a block of
-values `x` is stored as `x_q = saturate(x / s)` in an FP8 format with the float32
+Convention (DeepSeek-V3, https://arxiv.org/abs/2412.19437, Sec. 3.3; DeepGEMM,
+https://github.com/deepseek-ai/DeepGEMM; vLLM's `per_token_group_quant_fp8`): a
+block of values `x` is stored as `x_q = saturate(x / s)` in an FP8 format with the float32
 scale `s = max(amax(|x|), 1e-10) / fmax`, where `fmax` is the format's largest
 finite value (448 for float8_e4m3fn, 57344 for float8_e5m2). Dequantization is
 `x ~= x_q.astype(float32) * s`. `saturate` clamps to [-fmax, fmax] before the
@@ -77,7 +78,8 @@ def quantize_fp8_blockwise(
 
   For block (i, j) covering rows [i*bk, (i+1)*bk) and columns [j*bn, (j+1)*bn):
   `s_ij = max(amax|w_block|, 1e-10) / fmax`, `w_q = clip(w / s_ij, -fmax, fmax)`
-  cast to `dtype`. Reference: DeepSeek-V3 technical report (arXiv:2412.19437),
+  cast to `dtype`. Reference: DeepSeek-V3 technical report
+  (https://arxiv.org/abs/2412.19437),
   Sec. 3.3 "fine-grained quantization" (128x128 weight blocks).
 
   Args:
@@ -115,7 +117,8 @@ def quantize_fp8_per_token_group(
 
   For row m and group g covering columns [g*group, (g+1)*group):
   `s_mg = max(amax|x[m, group g]|, 1e-10) / fmax`, `x_q = clip(x / s_mg, +-fmax)`.
-  Reference: DeepSeek-V3 (arXiv:2412.19437) Sec. 3.3, 1x128 activation tiles.
+  Reference: DeepSeek-V3 (https://arxiv.org/abs/2412.19437) Sec. 3.3, 1x128
+  activation tiles.
 
   Args:
     x: activations `[M, K]`, any float dtype (computed in float32).

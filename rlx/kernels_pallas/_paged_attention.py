@@ -2,8 +2,8 @@
 
 One query token per sequence attends to that sequence's cached keys/values,
 which live in a shared pool of fixed-size pages addressed through a page table
-(vLLM's PagedAttention, Kwon et al. 2023, arXiv:2309.06180; shapes as in JAX's
-`pallas.ops.gpu.paged_attention`):
+(PagedAttention, Kwon et al. 2023, https://arxiv.org/abs/2309.06180; shapes as
+in JAX's `jax/experimental/pallas/ops/gpu/paged_attention.py`):
 
   K_b = concat_j k_pages[:, page_table[b, j]] * k_scale      (first lengths[b] rows)
   out[b, h] = softmax(sm_scale * q[b, h] . K_b[h // G]^T) V_b[h // G],  G = H / Hkv
@@ -17,7 +17,10 @@ GPU backend: the kernel is a plain `pl.pallas_call` lowered by the Pallas
 on Hopper (sm_90). Triton dots need both operands in one dtype, so an
 FP8 x BF16 mixed dot is not available: FP8 pages are converted to the dot dtype
 in-kernel (exact: every e4m3fn/e5m2 value is a bf16 value); the HBM byte saving
-of FP8 pages remains, which is what matters for bandwidth-bound decode.
+of FP8 pages remains, which is what matters for bandwidth-bound decode. The
+split-K partitions and their log-sum-exp merge follow Flash-Decoding
+(Dao et al. 2023, https://crfm.stanford.edu/2023/10/12/flashdecoding.html) and
+vLLM's `paged_attention_v2` (`csrc/attention/paged_attention_v2.cu`).
 """
 
 import dataclasses
@@ -29,15 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from rlx.kernels_pallas import _paged_attention_tpu
-from rlx.kernels_pallas._fp8_quant import is_fp8
+from rlx.kernels_pallas._common import (
+  MASK_VALUE,
+  arrays_platform,
+  check_kv_scale,
+  is_concrete,
+  next_pow2,
+  resolve_impl,
+)
 
-# Finite "minus infinity" for masked logits and the running max: exp(MASK - m)
-# underflows to 0 and MASK - MASK stays finite (no inf - inf = NaN).
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 PAGE_DTYPES = (
   jnp.dtype(jnp.bfloat16),
   jnp.dtype(jnp.float32),
@@ -50,7 +56,6 @@ _GPU_NUM_SMS = 132
 # Default tokens per online-softmax step when `pages_per_compute_block` is None.
 _GPU_TOKENS_PER_BLOCK = 128
 _TPU_TOKENS_PER_BLOCK = 512
-IMPLS = ("auto", "pallas", "pallas_gpu", "pallas_tpu", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +84,6 @@ class PagedAttentionBlockSizes:
   pages_per_compute_block: int | None = None
   pages_per_split: int | None = None
   min_block_h: int = 16
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
 
 
 # ------------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ def _paged_attention_gpu(
     want_splits = pl.cdiv(2 * _GPU_NUM_SMS, batch * num_kv_heads)
     max_splits = max(1, pages_per_sequence // (2 * ppcb))
     pages_per_split = pl.cdiv(pages_per_sequence, min(want_splits, max_splits))
-  pages_per_split = _next_pow2(max(pages_per_split, ppcb))  # multiple of ppcb, pow2
+  pages_per_split = next_pow2(max(pages_per_split, ppcb))  # multiple of ppcb, pow2
   num_splits = pl.cdiv(pages_per_sequence, pages_per_split)
   padded_pages = num_splits * pages_per_split
   page_table = jnp.pad(page_table, ((0, 0), (0, padded_pages - pages_per_sequence)))
@@ -212,7 +213,7 @@ def _paged_attention_gpu(
     raise ValueError(
       f"min_block_h must be a power of two >= 16 (Triton block / dot M), got {min_block_h}."
     )
-  block_h = max(min_block_h, _next_pow2(group))
+  block_h = max(min_block_h, next_pow2(group))
   q = q.reshape(batch, num_kv_heads, group, head_dim)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
   dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
@@ -271,10 +272,6 @@ def _paged_attention_gpu(
 # ------------------------------------------------------------------------------------------
 # Public wrapper: validation and dispatch
 # ------------------------------------------------------------------------------------------
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
 
 
 def validate_paged_attention_inputs(
@@ -340,7 +337,7 @@ def validate_paged_attention_inputs(
     )
   capacity = pages_per_sequence * page_size
 
-  if _is_concrete(lengths):
+  if is_concrete(lengths):
     lv = np.asarray(lengths)
     bad = np.nonzero((lv <= 0) | (lv > capacity))[0]
     if bad.size:
@@ -348,7 +345,7 @@ def validate_paged_attention_inputs(
         f"`lengths` must satisfy 0 < length <= pages_per_sequence * page_size = {capacity}; "
         f"lengths[{bad[0]}] = {lv[bad[0]]}."
       )
-    if _is_concrete(page_table):
+    if is_concrete(page_table):
       tv = np.asarray(page_table)
       used = np.arange(pages_per_sequence)[None, :] < -(-lv[:, None] // page_size)
       out_of_range = used & ((tv < 0) | (tv >= total_pages))
@@ -360,29 +357,18 @@ def validate_paged_attention_inputs(
 
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
-  elif isinstance(sm_scale, (int, float, np.floating, np.integer)):
+  elif isinstance(sm_scale, (int, float, np.floating, np.integer)) and not isinstance(
+    sm_scale, (bool, np.bool_)
+  ):
     sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale):
+      raise ValueError(f"`sm_scale` must be finite, got {sm_scale}.")
   else:
     raise ValueError(f"`sm_scale` must be a Python float or None, got {type(sm_scale).__name__}.")
 
-  def norm_scale(s, name):
-    if s is None:
-      if is_fp8(k_pages.dtype):
-        raise ValueError(
-          f"`{name}` is required for FP8 pages ({k_pages.dtype}): K = k_pages * k_scale."
-        )
-      return jnp.ones((num_kv_heads,), jnp.float32)
-    s = jnp.asarray(s)
-    if s.shape not in ((), (1,), (num_kv_heads,)):
-      raise ValueError(
-        f"`{name}` must be a scalar or have shape ({num_kv_heads},) (one per KV head), "
-        f"got shape {tuple(s.shape)}."
-      )
-    if not jnp.issubdtype(s.dtype, jnp.floating):
-      raise ValueError(f"`{name}` must be a float array, got {s.dtype}.")
-    return jnp.broadcast_to(s.astype(jnp.float32).reshape(-1), (num_kv_heads,))
-
-  return sm_scale, norm_scale(k_scale, "k_scale"), norm_scale(v_scale, "v_scale")
+  k_scale = check_kv_scale(k_scale, num_kv_heads, "k_scale", k_pages.dtype)
+  v_scale = check_kv_scale(v_scale, num_kv_heads, "v_scale", k_pages.dtype)
+  return sm_scale, k_scale, v_scale
 
 
 def _sanitize_page_table(page_table, lengths, page_size, total_pages):
@@ -393,18 +379,6 @@ def _sanitize_page_table(page_table, lengths, page_size, total_pages):
   """
   used = jnp.arange(page_table.shape[1])[None, :] < pl.cdiv(lengths, page_size)[:, None]
   return jnp.where(used, jnp.clip(page_table, 0, total_pages - 1), 0)
-
-
-def _resolve_impl(impl: str, interpret) -> str:
-  if impl not in IMPLS:
-    raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}.")
-  backend = jax.default_backend()
-  if impl == "auto":
-    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
-  if impl == "pallas":
-    tpu_interpret = isinstance(interpret, pltpu.InterpretParams)
-    return "pallas_tpu" if backend == "tpu" or tpu_interpret else "pallas_gpu"
-  return impl
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret", "block_sizes"))
@@ -472,15 +446,19 @@ def paged_attention(
     K[t] = k_pages[g, page_table[b, t // page], t % page] * k_scale[g]   (same for V)
     out[b, h] = sum_t softmax_t(sm_scale * q[b, h] . K[t]) V[t]
 
-  Reference: Kwon et al., "Efficient Memory Management for LLM Serving with
-  PagedAttention" (arXiv:2309.06180); online softmax: Milakov & Gimelshein 2018,
-  FlashAttention (arXiv:2205.14135); split-K: Flash-Decoding.
+  References: Kwon et al., "Efficient Memory Management for Large Language Model
+  Serving with PagedAttention" (https://arxiv.org/abs/2309.06180; vLLM); online
+  softmax: Milakov & Gimelshein 2018 (https://arxiv.org/abs/1805.02867) and
+  FlashAttention (https://arxiv.org/abs/2205.14135); split-K: Flash-Decoding.
+  Public kernels with the same layout: JAX `pallas/ops/gpu/paged_attention.py`
+  and `pallas/ops/tpu/paged_attention`.
 
-  Implementations (`impl`):
-    "auto": Pallas on GPU ("pallas_gpu") and TPU ("pallas_tpu"); on CPU the XLA
-      reference math ("xla").
-    "pallas": the Pallas kernel of the current backend; on CPU the GPU-style
-      kernel with `interpret=True`, the TPU kernel with
+  Implementations (`impl`), chosen by where the inputs live (the platform of the
+  concrete arrays' devices; under `jit`, the default device / backend):
+    "auto": Pallas on GPU ("pallas_gpu") and TPU ("pallas_tpu"); elsewhere (CPU)
+      the XLA reference math ("xla").
+    "pallas": the Pallas kernel of that platform; on CPU the GPU-style kernel
+      with `interpret=True`, the TPU kernel with
       `interpret=pltpu.InterpretParams()`.
     "pallas_gpu": Pallas Triton kernel (grid over batch x KV head x split-K
       partitions, `pages_per_compute_block` pages gathered per loop step; the
@@ -525,16 +503,8 @@ def paged_attention(
   sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
     q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
   )
-  impl = _resolve_impl(impl, interpret)
-  if impl == "pallas_gpu" and jax.default_backend() != "gpu" and interpret is False:
-    raise ValueError(
-      "impl='pallas_gpu' off a GPU needs interpret=True (got interpret=False); use "
-      "impl='auto' or 'xla' for the reference path."
-    )
-  if impl == "pallas_tpu" and jax.default_backend() != "tpu" and interpret is False:
-    raise ValueError(
-      "impl='pallas_tpu' off a TPU needs interpret=pltpu.InterpretParams() (got interpret=False)."
-    )
+  platform = arrays_platform(q, k_pages, v_pages, lengths, page_table)
+  impl = resolve_impl(impl, interpret, platform)
   return _paged_attention_jit(
     q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale, impl=impl,
     interpret=interpret, block_sizes=block_sizes,

@@ -10,10 +10,13 @@ pipeline double-buffers them. Blocks past a sequence's length map to its last
 used page (so no new DMA is issued) and skip compute with `pl.when`. The online
 softmax state (running max, denominator, accumulator) lives in VMEM scratch
 across the sequential ("arbitrary") page axis; no split-K (one TensorCore walks
-a sequence, the batch and head axes are "parallel" for megacore).
+a sequence, the batch and head axes are "parallel" for megacore). The layout
+follows JAX's `jax/experimental/pallas/ops/tpu/paged_attention` kernel
+(PagedAttention, https://arxiv.org/abs/2309.06180).
 
-Runs on CPU with `interpret=pltpu.InterpretParams()` (tests); hardware Mosaic
-lowering has not been exercised in this repository yet.
+Runs on CPU with `interpret=pltpu.InterpretParams()` (tests); the Mosaic
+lowering is checked on CPU by `jax.export` (tests/kernels_pallas), the TPU
+compiler has not run it yet.
 """
 
 import functools
@@ -24,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from rlx.kernels_pallas._common import MASK_VALUE
 
 
 def _paged_attention_tpu_kernel(

@@ -95,6 +95,39 @@ def test_matmul_kernel_matches_reference_on_same_inputs(kernel, m, k, n):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize(("k", "block_k"), [(1000, 256), (640, 128)])
+def test_matmul_kernel_with_k_spanning_several_k_steps(kernel, k, block_k):
+  # TPU: K = 1000 -> 8 quantization blocks in 4 grid steps of 2 (the last one partly
+  # zero padding); K = 640 -> 5 steps of one block. The float32 accumulator scratch
+  # carries across the sequential K axis. (GPU: one program loops over all of K.)
+  m, n = 24, 200
+  _, _, xq, xs, wq, ws = _quantized(m, k, n, seed=3)
+  # Distinct per-block scales so that a scale applied to the wrong K block shows.
+  xs = xs * jnp.arange(1, xs.shape[1] + 1, dtype=jnp.float32)
+  ws = ws * jnp.arange(ws.shape[0], 0, -1, dtype=jnp.float32)[:, None]
+  want = fp8_blockwise_matmul_reference(xq, xs, wq, ws)
+  got = fp8_blockwise_matmul(
+    xq, xs, wq, ws, out_dtype=jnp.float32, impl="pallas", interpret=INTERPRET[kernel],
+    block_k=block_k,
+  )  # fmt: skip
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-4)
+
+
+def test_matmul_tpu_kernel_k_steps_sum_hand_computed_blocks():
+  # Three K blocks in three grid steps (block_k = 128), each with its own scales:
+  # out = 128 * (1 * 0.5 + 2 * 4 + 3 * 0.25) exactly.
+  xq = jnp.ones((1, 384), E4M3)
+  wq = jnp.ones((384, 1), E4M3)
+  xs = jnp.asarray([[1.0, 2.0, 3.0]])
+  ws = jnp.asarray([[0.5], [4.0], [0.25]])
+  got = fp8_blockwise_matmul(
+    xq, xs, wq, ws, out_dtype=jnp.float32, impl="pallas_tpu", interpret=INTERPRET["tpu"],
+    block_k=128,
+  )  # fmt: skip
+  assert float(got[0, 0]) == 128 * (1 * 0.5 + 2 * 4.0 + 3 * 0.25)
+
+
 def test_matmul_reference_hand_computed_block_scales():
   # K = 256 -> two K blocks with different scales; each block's dot is scaled separately.
   xq = jnp.ones((1, 256), E4M3)
@@ -184,9 +217,19 @@ def test_quantizer_invalid_inputs():
     quantize_fp8_blockwise(jnp.ones((4, 4)), block=(0, 128))
   with pytest.raises(ValueError, match="block"):  # was a ZeroDivisionError
     dequantize_fp8_blockwise(jnp.ones((4, 4)), jnp.ones((1, 1)), block=(0, 128))
+  _, _, *q = _quantized(8, 128, 128)
   with pytest.raises(ValueError, match="impl"):
-    _, _, *q = _quantized(8, 128, 128)
     fp8_blockwise_matmul(*q, impl="triton")
+  with pytest.raises(ValueError, match="block_k"):
+    fp8_blockwise_matmul(*q, block_k=100)
+  with pytest.raises(ValueError, match="block_m"):
+    fp8_blockwise_matmul(*q, block_m=24)
+  with pytest.raises(ValueError, match="not a GPU"):
+    fp8_blockwise_matmul(*q, impl="pallas_gpu")
+  with pytest.raises(ValueError, match="x_scale` must be a float array"):
+    fp8_blockwise_matmul(q[0], q[1].astype(jnp.int32), *q[2:])
+  with pytest.raises(ValueError, match="Empty"):
+    fp8_blockwise_matmul(q[0][:0], q[1][:0], *q[2:])
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU or TPU")

@@ -90,7 +90,7 @@ def test_fp8_matmul_lowers(platform_ready, m, k, n):
   def fn(xq, xs, wq, ws):
     return _fp8_matmul_jit(
       xq, xs, wq, ws, out_dtype=jnp.dtype(jnp.bfloat16), impl=_IMPL[platform], interpret=False,
-      block_m=128,
+      block_m=128, block_k=256,
     )  # fmt: skip
 
   _export(fn, platform, *specs)

@@ -20,11 +20,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rlx.kernels_pallas import (
   PagedAttentionBlockSizes,
+  _common,
   paged_attention,
   paged_attention_reference,
   saturating_cast,
 )
-from rlx.kernels_pallas._paged_attention import _paged_attention_jit, _resolve_impl
+from rlx.kernels_pallas._paged_attention import _paged_attention_jit
 
 DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 GQA = (1, 4, 8)
@@ -325,8 +326,53 @@ def test_hardware_kernel_matches_reference(dtype):
   )
 
 
-def test_impl_resolution_on_cpu():
-  assert _resolve_impl("auto", False) == "xla"
-  assert _resolve_impl("pallas", True) == "pallas_gpu"
-  assert _resolve_impl("pallas", pltpu.InterpretParams()) == "pallas_tpu"
-  assert _resolve_impl("pallas_tpu", pltpu.InterpretParams()) == "pallas_tpu"
+def test_impl_resolution():
+  resolve = _common.resolve_impl
+  assert resolve("auto", False, "cpu") == "xla"
+  assert resolve("auto", False, "gpu") == "pallas_gpu"
+  assert resolve("auto", False, "tpu") == "pallas_tpu"
+  assert resolve("pallas", False, "gpu") == "pallas_gpu"
+  assert resolve("pallas", False, "tpu") == "pallas_tpu"
+  assert resolve("pallas", True, "cpu") == "pallas_gpu"
+  assert resolve("pallas", pltpu.InterpretParams(), "cpu") == "pallas_tpu"
+  assert resolve("pallas_tpu", pltpu.InterpretParams(), "cpu") == "pallas_tpu"
+  assert resolve("pallas_gpu", False, "gpu") == "pallas_gpu"
+  assert resolve("xla", False, "tpu") == "xla"
+  with pytest.raises(ValueError, match="not a TPU"):
+    resolve("pallas_tpu", False, "gpu")
+  with pytest.raises(ValueError, match="not a GPU"):
+    resolve("pallas_gpu", False, "cpu")
+
+
+def test_dispatch_follows_where_the_arrays_live(monkeypatch):
+  # Pretend the default backend is a GPU: arrays placed on the CPU device must still take
+  # the XLA path (and off-hardware Pallas must still ask for interpret mode), because
+  # the computation runs where its inputs are, not on the default backend.
+  monkeypatch.setattr(_common, "default_platform", lambda: "gpu")
+  cpu = jax.devices("cpu")[0]
+  args = jax.device_put(make_inputs("float32", 4, 16, 64, seed=6)[:5], cpu)
+  assert _common.arrays_platform(*args) == "cpu"
+  assert _common.arrays_platform(np.zeros(3), None) == "gpu"  # nothing placed: default
+  calls = []
+  real_jit = _paged_attention_jit
+
+  def spy(*a, impl, **kw):
+    calls.append(impl)
+    return real_jit(*a, impl=impl, **kw)
+
+  monkeypatch.setattr("rlx.kernels_pallas._paged_attention._paged_attention_jit", spy)
+  out = paged_attention(*args)
+  assert calls == ["xla"] and out.devices() == {cpu}
+  np.testing.assert_allclose(
+    np.asarray(out), np.asarray(paged_attention_reference(*args)), atol=1e-6
+  )
+  with pytest.raises(ValueError, match="on 'cpu' \\(not a GPU\\) needs interpret=True"):
+    paged_attention(*args, impl="pallas_gpu")
+  # Under jit (tracers carry no placement) the default platform decides.
+  assert jax.jit(lambda x: jnp.float32(_common.arrays_platform(x) == "gpu"))(args[0]) == 1.0
+
+
+def test_default_platform_follows_default_device():
+  assert _common.default_platform() == jax.default_backend()
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert _common.default_platform() == "cpu"

@@ -1,10 +1,13 @@
-"""The public surface of rlx.kernels_pallas (one re-export per name)."""
+"""The public surface of rlx.kernels_pallas (one re-export per name, `__all__`)."""
 
+import importlib
 import inspect
+
+import pytest
 
 import rlx.kernels_pallas as kp
 
-PUBLIC = {
+PUBLIC = (
   "PagedAttentionBlockSizes",
   "dequantize_fp8_blockwise",
   "fp8_blockwise_matmul",
@@ -17,22 +20,49 @@ PUBLIC = {
   "saturating_cast",
   "validate_paged_attention_inputs",
   "write_kv_pages",
-}
+)
 
 
 def test_public_names():
   names = {n for n in dir(kp) if not n.startswith("_") and not inspect.ismodule(getattr(kp, n))}
-  assert names == PUBLIC
+  assert names == set(PUBLIC)
+  assert kp.__all__ == PUBLIC  # sorted, one entry per public name
+  for name in PUBLIC:  # each re-exported from its private module
+    assert getattr(kp, name).__module__.startswith("rlx.kernels_pallas._"), name
 
 
 def test_documented_signatures():
   sig = inspect.signature(kp.paged_attention)
   assert list(sig.parameters)[:5] == ["q", "k_pages", "v_pages", "lengths", "page_table"]
-  for name in ("sm_scale", "k_scale", "v_scale", "impl", "interpret"):
+  for name in ("sm_scale", "k_scale", "v_scale", "impl", "interpret", "block_sizes"):
     assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
   assert sig.parameters["impl"].default == "auto"
+  sig = inspect.signature(kp.paged_attention_reference)
+  assert list(sig.parameters) == [
+    "q", "k_pages", "v_pages", "lengths", "page_table", "sm_scale", "k_scale", "v_scale",
+  ]  # fmt: skip
+  sig = inspect.signature(kp.write_kv_pages)
+  assert list(sig.parameters)[:6] == [
+    "k_pages", "v_pages", "k_new", "v_new", "positions", "page_table",
+  ]  # fmt: skip
+  for name in ("num_new", "k_scale", "v_scale"):
+    assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
   sig = inspect.signature(kp.fp8_blockwise_matmul)
-  assert sig.parameters["out_dtype"].kind is inspect.Parameter.KEYWORD_ONLY
+  assert list(sig.parameters)[:4] == ["x_q", "x_scale", "w_q", "w_scale"]
+  for name in ("out_dtype", "impl", "interpret", "block_m", "block_k"):
+    assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
   for name in PUBLIC:
     doc = inspect.getdoc(getattr(kp, name))
     assert doc and doc.strip(), name
+
+
+_MODULES = ("__init__", "_common", "_fp8_matmul", "_fp8_quant", "_paged_attention",
+            "_paged_attention_tpu", "_kv_write")  # fmt: skip
+
+
+@pytest.mark.parametrize("module", _MODULES)
+def test_docstrings_cite_no_documents_outside_the_repository(module):
+  name = "rlx.kernels_pallas" + ("" if module == "__init__" else f".{module}")
+  source = inspect.getsource(importlib.import_module(name))
+  for word in ("REFERENCE.md", "contracts.md", "DESIGN.md"):
+    assert word not in source, (name, word)

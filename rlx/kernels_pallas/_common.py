@@ -1,0 +1,155 @@
+"""Pieces shared by the rlx.kernels_pallas kernels: constants, backend dispatch, scale checks.
+
+Dispatch follows where the input arrays live: `impl="auto"` picks the Pallas
+kernel of the platform holding the (concrete) inputs, so arrays placed on the
+CPU of a GPU host take the XLA path, as `jax.jit` would run them there. Under
+tracing the placement is unknown; the abstract mesh's device, then
+`jax.default_device`, then `jax.default_backend()` decide.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlx.kernels_pallas._fp8_quant import is_fp8
+
+# Finite "minus infinity" for masked logits and running maxima: exp(MASK_VALUE - m)
+# underflows to 0 and MASK_VALUE - MASK_VALUE stays finite (no inf - inf = NaN), as in
+# JAX's `pallas.ops.gpu.paged_attention` (`DEFAULT_MASK_VALUE`).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# "auto": the kernel of the inputs' platform (XLA on CPU); "pallas": the Pallas kernel of
+# that platform (off GPU/TPU chosen by `interpret`); "pallas_gpu" (Triton), "pallas_tpu"
+# (Mosaic), "xla" (pure-jnp reference math).
+IMPLS = ("auto", "pallas", "pallas_gpu", "pallas_tpu", "xla")
+
+# Device.platform spellings -> jax.default_backend() spellings.
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def next_pow2(n: int) -> int:
+  """Smallest power of two >= n (1 for n <= 1)."""
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def is_concrete(x) -> bool:
+  """True unless `x` is a tracer (its values can be read on the host)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def default_platform() -> str:
+  """Platform that traced (placement-unknown) inputs run on.
+
+  The abstract mesh's device kind when tracing under a mesh context, else the
+  platform of `jax.default_device`, else `jax.default_backend()`.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  platform = getattr(device, "platform", None)
+  if platform is None:
+    device = jax.config.jax_default_device
+    platform = device if isinstance(device, str) else getattr(device, "platform", None)
+  if platform is None:
+    platform = jax.default_backend()
+  return _PLATFORM_ALIASES.get(platform, platform)
+
+
+def arrays_platform(*arrays) -> str:
+  """Platform ("cpu", "gpu", "tpu") on which `arrays` live.
+
+  Concrete `jax.Array`s give their devices' platform (the union over their
+  shardings' device sets); tracers, NumPy arrays and `None` carry no placement.
+  Without any placed array this is `default_platform()`.
+
+  Raises:
+    ValueError: when the inputs live on more than one platform.
+  """
+  platforms = set()
+  for x in arrays:
+    if isinstance(x, jax.Array) and is_concrete(x):
+      platforms |= {_PLATFORM_ALIASES.get(d.platform, d.platform) for d in x.sharding.device_set}
+  if len(platforms) > 1:
+    raise ValueError(f"Inputs live on several platforms {sorted(platforms)}; put them on one.")
+  return platforms.pop() if platforms else default_platform()
+
+
+def resolve_impl(impl: str, interpret, platform: str) -> str:
+  """Maps `impl` to "pallas_gpu" | "pallas_tpu" | "xla" for inputs living on `platform`.
+
+  "auto" is the platform's Pallas kernel (XLA reference math on any other
+  platform); "pallas" the platform's kernel, off GPU/TPU the TPU kernel when
+  `interpret` is a `pltpu.InterpretParams` and the GPU kernel otherwise.
+
+  Raises:
+    ValueError: for an unknown `impl`, or a Pallas kernel off its hardware
+      without interpret mode (True for the GPU kernel, `pltpu.InterpretParams()`
+      for the TPU kernel).
+  """
+  from jax.experimental.pallas import tpu as pltpu
+
+  if impl not in IMPLS:
+    raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}.")
+  if impl == "auto":
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+  if impl == "pallas":
+    if platform in ("gpu", "tpu"):
+      return f"pallas_{platform}"
+    return "pallas_tpu" if isinstance(interpret, pltpu.InterpretParams) else "pallas_gpu"
+  if impl == "pallas_gpu" and platform != "gpu" and interpret is False:
+    raise ValueError(
+      f"impl='pallas_gpu' with inputs on {platform!r} (not a GPU) needs interpret=True (got "
+      "interpret=False); use impl='auto' or 'xla' for the reference path."
+    )
+  if impl == "pallas_tpu" and platform != "tpu" and interpret is False:
+    raise ValueError(
+      f"impl='pallas_tpu' with inputs on {platform!r} (not a TPU) needs "
+      "interpret=pltpu.InterpretParams() (got interpret=False)."
+    )
+  return impl
+
+
+def check_float_array(x, name: str) -> None:
+  """Raises a ValueError naming `name` unless `x` is an array of a floating dtype."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"`{name}` must be a float array, got {dtype if dtype is not None else type(x).__name__}."
+    )
+
+
+def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype) -> jax.Array:
+  """Normalizes a KV dequantization scale to float32 `[num_kv_heads]`.
+
+  The read convention of the paged pool is `K = k_pages.astype(f32) * k_scale[g]`
+  for KV head g (vLLM's FP8 KV cache, per-tensor or per-head scales).
+
+  Args:
+    scale: None, a float scalar, or a float array of shape `[1]` or `[num_kv_heads]`.
+    num_kv_heads: Hkv.
+    name: argument name used in errors ("k_scale", "v_scale").
+    page_dtype: dtype of the page pool; FP8 pools require a scale.
+
+  Returns:
+    float32 `[num_kv_heads]` (ones when `scale` is None for bf16/f32 pools).
+
+  Raises:
+    ValueError: missing scale for FP8 pages, wrong shape, or a non-float dtype.
+  """
+  if scale is None:
+    if is_fp8(page_dtype):
+      raise ValueError(
+        f"`{name}` is required for FP8 pages ({jnp.dtype(page_dtype)}): "
+        f"values are pages.astype(float32) * {name}."
+      )
+    return jnp.ones((num_kv_heads,), jnp.float32)
+  if isinstance(scale, (float, np.floating)):
+    scale = np.float32(scale)
+  scale = scale if hasattr(scale, "dtype") else np.asarray(scale)
+  if np.shape(scale) not in ((), (1,), (num_kv_heads,)):
+    raise ValueError(
+      f"`{name}` must be a scalar or have shape ({num_kv_heads},) (one per KV head), "
+      f"got shape {tuple(np.shape(scale))}."
+    )
+  check_float_array(scale, name)
+  scale = jnp.asarray(scale)
+  return jnp.broadcast_to(scale.astype(jnp.float32).reshape(-1), (num_kv_heads,))
