@@ -16,6 +16,9 @@ from rlx.objectives._aggregate import (
   aggregate,
   aggregate_scale,
 )
+from rlx.objectives._ais import (
+  adaptive_is_lambda,
+)
 from rlx.objectives._aspo import (
   aspo_loss,
 )
@@ -36,8 +39,16 @@ from rlx.objectives._ctpo import (
   ctpo_clip_scale,
   ctpo_loss,
 )
+from rlx.objectives._ess import (
+  effective_sample_size,
+)
 from rlx.objectives._gspo import (
   gspo_loss,
+)
+from rlx.objectives._is_weights import (
+  renormalize_weights,
+  sequence_importance_weights,
+  token_importance_weights,
 )
 from rlx.objectives._kl import (
   KL_KINDS,
@@ -55,6 +66,10 @@ from rlx.objectives._metrics import (
 from rlx.objectives._minpro import (
   minpro_loss,
 )
+from rlx.objectives._mismatch import (
+  MismatchKL,
+  rollout_mismatch_kl,
+)
 from rlx.objectives._ppo import (
   ppo_clip_loss,
 )
@@ -71,48 +86,63 @@ from rlx.objectives._registry import (
   get_policy_loss,
   get_policy_loss_spec,
 )
+from rlx.objectives._rejection import (
+  rollout_rejection_mask,
+)
 from rlx.objectives._sapo import (
   sapo_loss,
 )
 from rlx.objectives._vcpo import (
   vcpo_lr_factor,
 )
+from rlx.objectives._veto import (
+  rollout_veto_mask,
+)
 
 __all__ = (
+  "adaptive_is_lambda",
   "AGG_MODES",
-  "BAPO_DUAL_CLIP",
-  "BapoClipBounds",
-  "CTPO_VARIANTS",
-  "KL_KINDS",
-  "POLICY_LOSSES",
-  "POLICY_LOSS_SPECS",
-  "PolicyLossMetrics",
-  "PolicyLossSpec",
-  "RolloutCorrectionMetrics",
   "aggregate",
   "aggregate_scale",
   "aspo_loss",
   "bapo_clip_bounds",
+  "BAPO_DUAL_CLIP",
+  "BapoClipBounds",
   "broadcast_to_tokens",
   "cispo_loss",
   "ctpo_clip_scale",
   "ctpo_loss",
+  "CTPO_VARIANTS",
   "cumulative_log_ratio",
   "drgrpo_advantages",
+  "effective_sample_size",
   "get_policy_loss",
   "get_policy_loss_spec",
   "grpo_advantages",
   "gspo_loss",
+  "KL_KINDS",
   "kl_penalty",
   "m2po_mask",
   "median_advantages",
   "min_prefix_log_ratio",
   "minpro_loss",
+  "MismatchKL",
+  "POLICY_LOSS_SPECS",
+  "POLICY_LOSSES",
+  "PolicyLossMetrics",
+  "PolicyLossSpec",
   "ppo_clip_loss",
+  "renormalize_weights",
   "rloo_advantages",
   "rollout_correction",
+  "rollout_mismatch_kl",
+  "rollout_rejection_mask",
+  "rollout_veto_mask",
+  "RolloutCorrectionMetrics",
   "sapo_loss",
+  "sequence_importance_weights",
   "sequence_log_ratio",
+  "token_importance_weights",
   "token_log_ratio",
   "vcpo_lr_factor",
 )

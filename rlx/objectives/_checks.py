@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Log-ratios are clamped to +-LOG_RATIO_CLAMP before `exp` (REFERENCE.md).
+# Log-ratios are clamped to +-LOG_RATIO_CLAMP before `exp` (as verl's
+# `compute_policy_loss_vanilla` clamps `log_ratio` to [-20, 20]), so a ratio is at
+# most e^20 and its square stays finite in float32.
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -97,6 +99,12 @@ def as_mask(mask: jax.Array) -> jax.Array:
 def where_mask(mask: jax.Array, x: jax.Array, fill: float = 0.0) -> jax.Array:
   """`x` at valid positions, `fill` elsewhere (NaN-safe: never multiplies)."""
   return jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+
+
+def safe_div(num: jax.Array, den: jax.Array, empty: float) -> jax.Array:
+  """`num / den`, or `empty` where `den == 0` (NaN-safe in value and gradient)."""
+  ok = den > 0
+  return jnp.where(ok, num / jnp.where(ok, den, 1.0), jnp.float32(empty))
 
 
 def clip(x: jax.Array, low: Any = None, high: Any = None) -> jax.Array:

@@ -19,10 +19,22 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from rlx.objectives import _checks
+from rlx.objectives._ais import adaptive_is_lambda
+from rlx.objectives._ess import effective_sample_size
+from rlx.objectives._is_weights import (
+  renormalize_weights,
+  sequence_importance_weights,
+  token_importance_weights,
+)
+from rlx.objectives._mismatch import rollout_mismatch_kl
+from rlx.objectives._rejection import (
+  REJECTION_LEVELS,
+  REJECTION_STATISTICS,
+  rollout_rejection_mask,
+)
+from rlx.objectives._veto import rollout_veto_mask
 
 CORRECTION_LEVELS = ("token", "sequence")
-REJECTION_LEVELS = ("token", "seq-sum", "seq-mean", "seq-max")
-REJECTION_STATISTICS = ("ratio", "k1", "k2", "k3")
 
 
 class RolloutCorrectionMetrics(NamedTuple):
@@ -61,42 +73,6 @@ class RolloutCorrectionMetrics(NamedTuple):
   ais_lambda: jax.Array
 
 
-def _safe_div(num: jax.Array, den: jax.Array, empty: float) -> jax.Array:
-  """num / den, or `empty` where den == 0 (NaN-safe)."""
-  ok = den > 0
-  return jnp.where(ok, num / jnp.where(ok, den, 1.0), jnp.float32(empty))
-
-
-def _normalized_ess(weights: jax.Array, valid: jax.Array) -> jax.Array:
-  """(sum w)^2 / (n sum w^2) over `valid` entries; 1 if there are none.
-
-  The weights are divided by their maximum first (ESS is scale invariant), so
-  weights up to e^20 never overflow when squared.
-  """
-  w = jnp.where(valid, weights, 0.0)
-  w = w / jnp.maximum(jnp.max(w), jnp.float32(1e-30))
-  n = jnp.sum(valid.astype(jnp.float32))
-  total = jnp.sum(w)
-  return _safe_div(jnp.square(total), n * jnp.sum(jnp.square(w)), empty=1.0)
-
-
-def _token_statistic(log_rho: jax.Array, statistic: str) -> jax.Array:
-  if statistic == "ratio":
-    return log_rho  # compared in log space against log(lo), log(hi)
-  if statistic == "k1":
-    return -log_rho
-  if statistic == "k2":
-    return 0.5 * jnp.square(log_rho)
-  return jnp.exp(log_rho) - 1.0 - log_rho  # k3
-
-
-def _log_bound(bound: float | None, statistic: str, default: float) -> jax.Array:
-  if bound is None:
-    return jnp.float32(default)
-  bound = jnp.asarray(bound, jnp.float32)
-  return jnp.log(bound) if statistic == "ratio" else bound
-
-
 def rollout_correction(
   old_logp: Float[Array, "B T"],
   rollout_logp: Float[Array, "B T"],
@@ -116,59 +92,43 @@ def rollout_correction(
   """Importance weights and rejection mask correcting the rollout/trainer mismatch.
 
   With log rho_t = clamp(old_logp_t - rollout_logp_t, -20, 20) (trainer over sampler)
-  the steps are, in order:
+  the steps are, in order, each a public function with its own formula:
 
-  1. Veto (optional, `veto_threshold` = tau, e.g. 1e-4): a sequence with any valid
-     token whose rho_t < tau is removed from the mask.
-  2. MIS rejection (optional, `reject`): a statistic is computed per token,
-       "ratio": rho_t;  "k1": -log rho_t = log(pi_rollout / pi_old);
-       "k2": (log rho_t)^2 / 2;  "k3": rho_t - 1 - log rho_t,
-     and aggregated per `reject` level over the sequence's valid tokens:
-       "token": each token on its own;  "seq-sum": sum over tokens;
-       "seq-mean": mean over tokens;  "seq-max": max over tokens.
-     For "ratio" the aggregation happens in log space, so "seq-sum" is the sequence
-     ratio prod_t rho_t, "seq-mean" its geometric mean and "seq-max" max_t rho_t.
-     Tokens (level "token") or whole sequences whose value lies outside the closed
-     band [reject_low, reject_high] are masked out, not reweighted. Direction:
-     rho and "ratio" bounds are pi_old / pi_rollout; "k1" bounds
-     log(pi_rollout / pi_old), i.e. the reverse direction, and is negative where
-     the trainer assigns the token more probability than the sampler did.
-  3. (T)IS weights at `level`:
-       "token":    w_t = min(rho_t, C)
-       "sequence": w_i = min(exp(clamp(sum_t m_t log rho_t, -20, 20)), C) for every
-                   token of sequence i (over the input mask, rejected tokens included:
-                   the sequence was sampled with them)
+  1. Veto (`veto_threshold` = tau, e.g. 1e-4; `rollout_veto_mask`): a sequence
+     with any valid token whose rho_t < tau is removed from the mask.
+  2. MIS rejection (`reject`; `rollout_rejection_mask` with `level=reject`,
+     `statistic=reject_statistic`, `low=reject_low`, `high=reject_high`): tokens
+     or whole sequences whose ratio / k1 / k2 / k3 statistic lies outside the
+     closed band are masked out, not reweighted. Veto and rejection read the
+     UNclamped log rho, so their thresholds act as stated beyond e^+-20.
+  3. (T)IS weights at `level`, C = `truncate` (upper truncation; None = none):
+       "token":    w_t = min(rho_t, C)                 (`token_importance_weights`)
+       "sequence": w_i = min(prod_t rho_it, C) on every token of sequence i
+                   (`sequence_importance_weights` over the INPUT mask: the
+                   sequence was sampled with its rejected tokens)
        None:       w = 1 (rejection only).
-     C = `truncate` (upper truncation only; None = untruncated).
-  4. AIS mixing (optional, `adaptive=True`): w <- 1 + lambda (w - 1), lambda in [0, 1]
-     per batch, interpolating uncorrected (lambda = 0, w = 1, biased, no extra
-     variance) and fully IS-weighted (lambda = 1) gradients:
-       lambda = severity * reliability * stability
-       severity    = 1 - exp(-KL3 / ais_kl_scale)       divergence: KL3 = mean k3
-                     mismatch over kept tokens; 0 for identical policies
-       reliability = ESS_raw                              normalised ESS of the raw
-                     (untruncated) weights over kept units; -> 1/n when one weight
-                     dominates
-       stability   = 1 / (1 + CV^2(w))                   variance amplification of the
-                     truncated weights, CV^2 = var(w) / mean(w)^2 over kept units
-     So identical policies give lambda = 0 (and weights of exactly 1 either way);
-     degenerate weights drive lambda towards 0, the safe, uncorrected side; a large
-     mismatch with well-behaved weights drives it towards 1. lambda is a
-     stop-gradient scalar over the whole batch (global under sharding).
-  5. Renormalisation (optional, `renormalize=True`): divide by the mean weight over
-     kept units (tokens for "token", sequences for "sequence") so it is 1. This
-     happens after truncation, so weights may exceed C afterwards.
+  4. AIS mixing (`adaptive=True`; `adaptive_is_lambda`): w <- 1 + lambda (w - 1)
+     with lambda in [0, 1] from the k3 mismatch over the kept tokens, the ESS of
+     the raw weights and the ESS of the truncated ones, over the kept units.
+     Identical policies give lambda = 0; degenerate weights drive it towards 0
+     (uncorrected, the safe side); a large mismatch with well-behaved weights
+     towards 1. lambda is one stop-gradient scalar for the batch.
+  5. Renormalisation (`renormalize=True`; `renormalize_weights`): divide by the
+     mean weight over the kept units (tokens or sequences), after truncation,
+     so weights may exceed C afterwards.
 
-  Returned weights are 0 wherever the returned mask is 0. Masked positions of the
-  inputs are replaced before any arithmetic, so NaN/inf padding is harmless.
-  Deviation from verl: per-token log-ratios are clamped to +-20 before the
-  sequence sum as well as after it (only matters for a token with rho > e^20).
-  The veto and the rejection statistics use the unclamped log rho, so their
-  thresholds act as stated even beyond e^+-20.
+  Units: kept tokens for level "token", sequences with a kept token for
+  "sequence"; `effective_sample_size` gives `ess` / `ess_raw` over them.
+  Returned weights are 0 wherever the returned mask is 0. Masked positions of
+  the inputs are replaced before any arithmetic, so NaN/inf padding is
+  harmless. Deviation from verl: per-token log-ratios are clamped to +-20
+  before the sequence sum as well as after it (only matters for a token with
+  rho > e^20).
 
-  Reference: verl `rollout_corr_helper.py` (TIS, MIS/rejection, veto); Yao et al.
-  2025 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
-  (TIS, https://fengyao.notion.site/off-policy-rl); the AIS formula is rlx's own.
+  Reference: verl `trainer/ppo/rollout_corr_helper.py` (TIS, MIS/rejection,
+  veto); Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+  Off-Policy RL Training" (TIS, https://fengyao.notion.site/off-policy-rl);
+  the AIS rule is rlx's own (see `adaptive_is_lambda`).
 
   Args:
     old_logp: trainer log-probs of the sampled tokens, `[B, T]`.
@@ -212,100 +172,72 @@ def rollout_correction(
     raise ValueError("`adaptive`=True needs `level` 'token' or 'sequence', got None.")
 
   valid = _checks.as_mask(mask)
-  old = jax.lax.stop_gradient(_checks.where_mask(valid, _checks.as_f32(old_logp)))
-  rollout = jax.lax.stop_gradient(_checks.where_mask(valid, _checks.as_f32(rollout_logp)))
-  clamp = _checks.LOG_RATIO_CLAMP
-  # Veto and rejection compare the UNCLAMPED log-ratio (no exp of it is ever
-  # summed), so bounds beyond e^+-20 (e.g. a veto threshold of 1e-12) still work.
-  log_rho_raw = old - rollout  # 0 at invalid positions
-  log_rho = jnp.clip(log_rho_raw, -clamp, clamp)
-  rho = jnp.exp(log_rho)
-  validf = valid.astype(jnp.float32)
-  n_valid = jnp.sum(validf)
+  n_valid = jnp.sum(valid.astype(jnp.float32))
+  mismatch = rollout_mismatch_kl(old_logp, rollout_logp, valid)
 
-  mismatch_k1 = _safe_div(jnp.sum(jnp.where(valid, -log_rho, 0.0)), n_valid, 0.0)
-  k3_token = jnp.where(valid, rho - 1.0 - log_rho, 0.0)
-  mismatch_k3 = _safe_div(jnp.sum(k3_token), n_valid, 0.0)
-
-  # 1. veto
+  # 1. veto, 2. rejection: both only remove tokens from the mask.
   keep = valid
   if veto_threshold is not None:
-    below = valid & (log_rho_raw < jnp.log(jnp.asarray(veto_threshold, jnp.float32)))
-    keep = keep & ~jnp.any(below, axis=1, keepdims=True)
+    keep = rollout_veto_mask(old_logp, rollout_logp, valid, threshold=veto_threshold)
   vetoed = valid & ~keep
-
-  # 2. rejection
   if reject is not None:
-    stat = _token_statistic(log_rho_raw, reject_statistic)
-    low = _log_bound(reject_low, reject_statistic, -jnp.inf)
-    high = _log_bound(reject_high, reject_statistic, jnp.inf)
-    if reject == "token":
-      value = stat
-    elif reject == "seq-sum":
-      value = jnp.sum(jnp.where(valid, stat, 0.0), axis=1, keepdims=True)
-    elif reject == "seq-mean":
-      count = jnp.sum(validf, axis=1, keepdims=True)
-      value = jnp.sum(jnp.where(valid, stat, 0.0), axis=1, keepdims=True) / jnp.maximum(count, 1)
-    else:  # seq-max
-      value = jnp.max(jnp.where(valid, stat, -jnp.inf), axis=1, keepdims=True)
-    keep = keep & (value >= low) & (value <= high)
+    keep = keep & rollout_rejection_mask(
+      old_logp,
+      rollout_logp,
+      valid,
+      level=reject,
+      statistic=reject_statistic,
+      low=reject_low,
+      high=reject_high,
+    )
+  n_keep = jnp.sum(keep.astype(jnp.float32))
 
-  keep_f = keep.astype(jnp.float32)
-  n_keep = jnp.sum(keep_f)
-
-  # 3. (T)IS weights; `units` marks the entries of `raw` that count in batch stats.
+  # 3. (T)IS weights over `units` (kept tokens, or sequences with a kept token).
   if level is None:
-    weights = jnp.ones_like(log_rho)
+    weights = jnp.ones(valid.shape, jnp.float32)
     truncated = jnp.zeros_like(valid)
     ess = ess_raw = jnp.float32(1.0)
     ais_lambda = jnp.float32(0.0)
   else:
     if level == "token":
-      raw = rho
+      raw = token_importance_weights(old_logp, rollout_logp, valid)
       units = keep
     else:
-      log_seq = jnp.clip(jnp.sum(log_rho, axis=1), -clamp, clamp)  # invalid entries are 0
-      raw = jnp.exp(log_seq)  # [B]
+      # Over the input mask: the sequence was sampled with its rejected tokens.
+      raw = sequence_importance_weights(old_logp, rollout_logp, valid)  # [B]
       units = jnp.any(keep, axis=1)
     weights = raw if truncate is None else jnp.minimum(raw, jnp.float32(truncate))
-    ess_raw = _normalized_ess(raw, units)
-
-    # 4. AIS mixing
+    ess_raw = effective_sample_size(raw, units)
+    # 4. AIS mixing.
     if adaptive:
-      kl_kept = _safe_div(jnp.sum(jnp.where(keep, k3_token, 0.0)), n_keep, 0.0)
-      severity = 1.0 - jnp.exp(-kl_kept / jnp.float32(ais_kl_scale))
-      stability = _normalized_ess(weights, units)  # = 1 / (1 + CV^2)
-      ais_lambda = jnp.clip(severity * ess_raw * stability, 0.0, 1.0)
+      kl_kept = rollout_mismatch_kl(old_logp, rollout_logp, keep).k3
+      ais_lambda = adaptive_is_lambda(
+        raw, weights, units, mismatch_kl=kl_kept, kl_scale=ais_kl_scale
+      )
       weights = 1.0 + ais_lambda * (weights - 1.0)
     else:
       ais_lambda = jnp.float32(1.0)
-
-    # 5. renormalisation over kept units
+    # 5. renormalisation over the kept units.
     if renormalize:
-      count = jnp.sum(units.astype(jnp.float32))
-      mean = _safe_div(jnp.sum(jnp.where(units, weights, 0.0)), count, 1.0)
-      weights = weights / jnp.where(mean > 0, mean, 1.0)
-
-    unit_weights = jnp.where(units, weights, 0.0)
-    ess = _normalized_ess(unit_weights, units)
+      weights = renormalize_weights(weights, units)
+    ess = effective_sample_size(jnp.where(units, weights, 0.0), units)
     if level == "sequence":
-      weights = jnp.broadcast_to(weights[:, None], log_rho.shape)
-      raw = jnp.broadcast_to(raw[:, None], log_rho.shape)
+      weights = jnp.broadcast_to(weights[:, None], valid.shape)
+      raw = jnp.broadcast_to(raw[:, None], valid.shape)
     truncated = keep & (raw > truncate) if truncate is not None else jnp.zeros_like(valid)
 
   weights = jnp.where(keep, weights, 0.0)
-
+  safe_div = _checks.safe_div
   metrics = RolloutCorrectionMetrics(
-    mismatch_k1=mismatch_k1,
-    mismatch_k3=mismatch_k3,
+    mismatch_k1=mismatch.k1,
+    mismatch_k3=mismatch.k3,
     ess=ess,
     ess_raw=ess_raw,
-    frac_truncated=_safe_div(jnp.sum(truncated.astype(jnp.float32)), n_keep, 0.0),
-    frac_rejected=_safe_div(n_valid - n_keep, n_valid, 0.0),
-    frac_vetoed=_safe_div(jnp.sum(vetoed.astype(jnp.float32)), n_valid, 0.0),
-    weight_mean=_safe_div(jnp.sum(weights), n_keep, 0.0),
-    weight_max=jnp.max(weights) if weights.size else jnp.float32(0.0),
+    frac_truncated=safe_div(jnp.sum(truncated.astype(jnp.float32)), n_keep, 0.0),
+    frac_rejected=safe_div(n_valid - n_keep, n_valid, 0.0),
+    frac_vetoed=safe_div(jnp.sum(vetoed.astype(jnp.float32)), n_valid, 0.0),
+    weight_mean=safe_div(jnp.sum(weights), n_keep, 0.0),
+    weight_max=jnp.max(weights, initial=0.0),
     ais_lambda=jnp.asarray(ais_lambda, jnp.float32),
   )
-  new_mask = keep.astype(mask.dtype)
-  return weights, new_mask, metrics
+  return weights, keep.astype(mask.dtype), metrics

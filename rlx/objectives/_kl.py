@@ -12,10 +12,36 @@ KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl", "k3+")
 _K3_CLAMP = 10.0
 
 
-def _k3(delta: jax.Array) -> jax.Array:
-  """k3 of Delta = lp - ref: e^x - x - 1 with x = clamp(-Delta, +-20), clamped to +-10."""
-  x = _checks.clip(-delta, -_checks.LOG_RATIO_CLAMP, _checks.LOG_RATIO_CLAMP)
-  return _checks.clip(jnp.exp(x) - x - 1.0, -_K3_CLAMP, _K3_CLAMP)
+# The three estimators of KL(p || q) from samples of p, as functions of the
+# per-sample log-ratio Delta = log p - log q (Schulman 2020). Shared by
+# `kl_penalty` and the rollout-mismatch statistics; no masking, no validation.
+
+
+def k1(delta: jax.Array) -> jax.Array:
+  """k1 = Delta (unbiased, high variance, can be negative)."""
+  return delta
+
+
+def k2(delta: jax.Array) -> jax.Array:
+  """k2 = Delta^2 / 2 (biased, low variance, >= 0)."""
+  return 0.5 * jnp.square(delta)
+
+
+def k3(delta: jax.Array) -> jax.Array:
+  """k3 = e^x - x - 1 with x = min(-Delta, 20) (unbiased, low variance, >= 0).
+
+  Only the upper side is clamped (so `exp` stays finite and the value is at
+  most e^20 - 21); for `x < -20` the value `-x - 1 + e^x` is exact, so large
+  negative log-ratios are not under-reported. Not clamped to +-10 (see
+  `kl_penalty`).
+  """
+  x = jnp.minimum(-delta, _checks.LOG_RATIO_CLAMP)
+  return jnp.exp(x) - x - 1.0
+
+
+def _k3_clamped(delta: jax.Array) -> jax.Array:
+  """verl's k3: `k3(Delta)` clamped to +-10 (no gradient outside)."""
+  return _checks.clip(k3(delta), -_K3_CLAMP, _K3_CLAMP)
 
 
 def kl_penalty(
@@ -31,7 +57,8 @@ def kl_penalty(
     "k1":                 Delta
     "abs":                |Delta|
     "k2":                 Delta^2 / 2
-    "k3" / "low_var_kl":  clamp(e^x - x - 1, -10, 10) with x = clamp(-Delta, -20, 20)
+    "k3" / "low_var_kl":  clamp(e^x - x - 1, -10, 10) with x = min(-Delta, 20)
+                          (verl's clamp; no gradient where it is active)
     "k3+":                the value of k3 with the gradient of k2 (straight-through:
                           k2 - sg(k2) + sg(k3))
 
@@ -67,16 +94,16 @@ def kl_penalty(
 
   delta = logp - ref_logp
   if kind == "k1":
-    kl = delta
+    kl = k1(delta)
   elif kind == "abs":
     kl = jnp.abs(delta)
   elif kind == "k2":
-    kl = 0.5 * jnp.square(delta)
+    kl = k2(delta)
   elif kind in ("k3", "low_var_kl"):
-    kl = _k3(delta)
+    kl = _k3_clamped(delta)
   else:  # "k3+"
-    k2 = 0.5 * jnp.square(delta)
-    kl = k2 - jax.lax.stop_gradient(k2) + jax.lax.stop_gradient(_k3(delta))
+    sq = k2(delta)
+    kl = sq - jax.lax.stop_gradient(sq) + jax.lax.stop_gradient(_k3_clamped(delta))
 
   if valid is not None:
     kl = _checks.where_mask(valid, kl)

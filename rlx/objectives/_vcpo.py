@@ -1,10 +1,10 @@
 """VCPO: an effective-sample-size learning-rate factor for off-policy batches."""
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from rlx.objectives import _checks
+from rlx.objectives._ess import effective_sample_size
 
 
 def vcpo_lr_factor(
@@ -23,12 +23,20 @@ def vcpo_lr_factor(
   The optimizer applies the factor, e.g. through `optax.scale_by_schedule` or
   by scaling the updates; nothing here is differentiated.
 
-  Reference: VCPO's ESS-scaled step size for off-policy RL of LLMs, as specified
-  in rlx's REFERENCE.md ("VCPO").
+  Reference: Huang et al. 2026, "Stable Asynchrony: Variance-Controlled
+  Off-Policy RL for LLMs" (VCPO), https://arxiv.org/abs/2602.17616, which
+  rescales the learning rate by the effective sample size; rlx implements
+  that step-size rule (not the paper's off-policy baseline). No public code
+  was found.
+
+  Typical use, with the SAMPLED tokens' mask:
+    w = sequence_importance_weights(old_logp, rollout_logp, mask)
+    rho_ess, lr_factor = vcpo_lr_factor(w, valid=jnp.any(mask, axis=1))
 
   Args:
-    seq_weights: non-negative sequence-level IS weights `[B]` (e.g. exp of the
-      summed token log-ratios, possibly truncated).
+    seq_weights: non-negative sequence-level IS weights `[B]`, e.g.
+      `sequence_importance_weights(old_logp, rollout_logp, mask)` (possibly
+      truncated).
     valid: optional bool `[B]`; False entries are ignored (NaN-safe).
 
   Returns:
@@ -43,13 +51,6 @@ def vcpo_lr_factor(
   else:
     valid = _checks.as_mask(jnp.asarray(valid))
     _checks.check_same_shape("seq_weights", seq_weights, {"valid": valid})
-  w = jax.lax.stop_gradient(jnp.where(valid, _checks.as_f32(seq_weights), 0.0))
-  # ESS is scale invariant: divide by the max so large weights never overflow.
-  w = w / jnp.maximum(jnp.max(jnp.abs(w)), jnp.float32(1e-30))
-  n = jnp.sum(valid.astype(jnp.float32))
-  sq = jnp.sum(jnp.square(w))
-  den = n * sq
-  ok = den > 0
-  rho_ess = jnp.where(ok, jnp.square(jnp.sum(w)) / jnp.where(ok, den, 1.0), 1.0)
+  rho_ess = effective_sample_size(seq_weights, valid)
   lr_factor = jnp.sqrt(jnp.minimum(rho_ess, 1.0))
   return rho_ess, lr_factor
