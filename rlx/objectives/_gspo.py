@@ -8,7 +8,7 @@ from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import check_non_negative, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import apply_is_weights, clipped_surrogate, prepare_policy_inputs
-from rlx.objectives._ratios import masked_log_ratio
+from rlx.objectives._ratios import masked_log_ratio, masked_sequence_log_ratio
 
 # Upper cap on the per-token log of the sequence ratio (verl).
 _MAX_LOG_SEQUENCE_RATIO = 10.0
@@ -58,8 +58,7 @@ def gspo_loss(
   )
   sg = jax.lax.stop_gradient
   adv = x.advantages
-  lengths = jnp.sum(x.valid, axis=1, keepdims=True).astype(jnp.float32)
-  seq_log_ratio = jnp.sum(x.logp - x.old_logp, axis=1, keepdims=True) / jnp.maximum(lengths, 1.0)
+  seq_log_ratio = masked_sequence_log_ratio(x.logp, x.old_logp, x.valid)[:, None]
   log_w = clip(sg(seq_log_ratio) + x.logp - sg(x.logp), high=_MAX_LOG_SEQUENCE_RATIO)
   w = jnp.exp(log_w)
   low, high = 1.0 - clip_low, 1.0 + clip_high

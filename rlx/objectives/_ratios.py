@@ -103,8 +103,15 @@ def sequence_log_ratio(
     `s` float32 with shape `[B]`; 0 for sequences without valid tokens.
   """
   check_token_arrays(logp=logp, old_logp=old_logp, mask=mask)
-  valid = as_mask(mask)
-  diff = where_mask(valid, as_f32(logp)) - where_mask(valid, as_f32(old_logp))
+  return masked_sequence_log_ratio(as_f32(logp), as_f32(old_logp), as_mask(mask))
+
+
+def masked_sequence_log_ratio(logp: jax.Array, old_logp: jax.Array, valid: jax.Array) -> jax.Array:
+  """`sequence_log_ratio` on validated float32 inputs (internal, no validation).
+
+  `logp`, `old_logp` float32 `[B, T]`, `valid` bool `[B, T]`; returns `[B]`.
+  """
+  diff = where_mask(valid, logp) - where_mask(valid, old_logp)
   lengths = jnp.sum(valid, axis=1).astype(jnp.float32)
   return jnp.sum(diff, axis=1) / jnp.maximum(lengths, 1.0)
 
