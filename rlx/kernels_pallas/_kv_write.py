@@ -3,12 +3,12 @@
 Token t of sequence b, at absolute position `pos = positions[b] + t`, is stored
 in page `page_table[b, pos // page_size]`, row `pos % page_size`, as
 
-  k_pages[g, page, row] = saturate(k_new[b, g, t] / k_scale[g])   (cast to the page dtype)
+  k_pages[g, page, row] = saturate(k_new[b, t, g] / k_scale[g])   (cast to the page dtype)
 
 which is the inverse of the read convention `K = k_pages.astype(f32) * k_scale`
 used by `paged_attention`. FP8 values saturate at the format's max (448 for
-e4m3fn) instead of overflowing to inf/NaN (REFERENCE.md "FP8 rollout": KV scale
-= amax / headroom). A pure-jnp scatter: writing one token per sequence per
+e4m3fn) instead of overflowing to inf/NaN (KV scale = amax / headroom, as in
+vLLM's FP8 KV cache). A pure-jnp scatter: writing one token per sequence per
 decode step is tiny next to the attention read.
 """
 
@@ -34,28 +34,38 @@ def _check_scale(s, num_kv_heads: int, name: str, page_dtype):
 
 
 def write_kv_pages(
-  k_pages: Float[Array, "Hkv P page D"],
-  v_pages: Float[Array, "Hkv P page D"],
-  k_new: Float[Array, "B Hkv *T D"],
-  v_new: Float[Array, "B Hkv *T D"],
+  k_pages: Float[Array, "*L Hkv P page D"],
+  v_pages: Float[Array, "*L Hkv P page D"],
+  k_new: Float[Array, "B *T Hkv D"],
+  v_new: Float[Array, "B *T Hkv D"],
   positions: Int[Array, " B"],
   page_table: Int[Array, "B pages_per_sequence"],
   *,
   num_new: Int[Array, " B"] | None = None,
   k_scale: Float[Array, "..."] | None = None,
   v_scale: Float[Array, "..."] | None = None,
-) -> tuple[Float[Array, "Hkv P page D"], Float[Array, "Hkv P page D"]]:
+  layer: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "*L Hkv P page D"], Float[Array, "*L Hkv P page D"]]:
   """Writes one decode step (or a prefill chunk) of K/V into the paged pool.
 
-  `k_pages[g, page_table[b, p // page], p % page] = saturate(k_new[b, g, t] / k_scale[g])`
+  `k_pages[g, page_table[b, p // page], p % page] = saturate(k_new[b, t, g] / k_scale[g])`
   for `p = positions[b] + t`, `t < num_new[b]` (same for V). Reference: vLLM
   `reshape_and_cache` (PagedAttention, arXiv:2309.06180), FP8 KV with per-tensor
   or per-head scales.
 
+  Layout: new K/V come in the layout of `rlx.policy.layer_qkv` (`[B, T, Hkv, D]`,
+  or `[B, Hkv, D]` for one decode token, the same array without the T = 1 axis),
+  and the write is one XLA scatter whose update windows are the `[Hkv, D]`
+  rows, so no transpose is needed on either side. With `layer`, the pools are
+  the stacked `[L, Hkv, P, page_size, D]` pools of a whole model and only layer
+  `layer` is written (a scatter into the stacked buffer: under jit inside a
+  loop whose carry holds the pool, XLA updates it in place; no per-layer copy).
+
   Args:
-    k_pages: `[Hkv, P, page_size, D]` pool (bf16, f32, float8_e4m3fn, float8_e5m2).
+    k_pages: `[Hkv, P, page_size, D]` pool, or `[L, Hkv, P, page_size, D]` with
+      `layer` (bf16, f32, float8_e4m3fn, float8_e5m2).
     v_pages: same shape and dtype as `k_pages`.
-    k_new: `[B, Hkv, D]` (one decode token per sequence) or `[B, Hkv, T, D]`
+    k_new: `[B, Hkv, D]` (one decode token per sequence) or `[B, T, Hkv, D]`
       (a chunk of T tokens per sequence), any float dtype.
     v_new: same shape as `k_new`.
     positions: i32`[B]`, absolute position of the first new token of each
@@ -64,8 +74,11 @@ def write_kv_pages(
       positions must already be allocated (entries in [0, P)).
     num_new: optional i32`[B]`, how many of the T tokens of each sequence are real
       (0 <= num_new <= T); the rest are not written. Default: all T.
-    k_scale: float32 scalar or `[Hkv]`; required for FP8 pages, None means 1.
+    k_scale: float32 scalar or `[Hkv]` (of the written layer); required for FP8
+      pages, None means 1.
     v_scale: same for V.
+    layer: None for a `[Hkv, P, page, D]` pool; else the layer (int or traced
+      int32 scalar, in [0, L)) of a stacked `[L, Hkv, P, page, D]` pool.
 
   Returns:
     `(k_pages, v_pages)` updated (functional update; donate the pools under jit
@@ -76,16 +89,19 @@ def write_kv_pages(
   index outside [0, P) is dropped (scatter mode "drop"), never wrapped.
   Two sequences writing the same (page, row) in one call is undefined.
   """
+  stacked = layer is not None
+  pool_rank = 5 if stacked else 4
   for name, x, ranks in (
-    ("k_pages", k_pages, (4,)),
-    ("v_pages", v_pages, (4,)),
+    ("k_pages", k_pages, (pool_rank,)),
+    ("v_pages", v_pages, (pool_rank,)),
     ("k_new", k_new, (3, 4)),
     ("v_new", v_new, (3, 4)),
     ("positions", positions, (1,)),
     ("page_table", page_table, (2,)),
   ):
     if np.ndim(x) not in ranks:
-      raise ValueError(f"`{name}` must have rank in {ranks}, got shape {tuple(np.shape(x))}.")
+      what = " (a stacked [L, Hkv, P, page, D] pool, since `layer` is given)" if stacked else ""
+      raise ValueError(f"`{name}` must have rank in {ranks}{what}, got shape {tuple(np.shape(x))}.")
   if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
     raise ValueError(
       f"`v_pages` {v_pages.dtype}{tuple(v_pages.shape)} must match `k_pages` "
@@ -93,14 +109,18 @@ def write_kv_pages(
     )
   if v_new.shape != k_new.shape:
     raise ValueError(f"`v_new` shape {v_new.shape} must equal `k_new` shape {k_new.shape}.")
-  num_kv_heads, total_pages, page_size, head_dim = k_pages.shape
-  decode = k_new.ndim == 3
-  if decode:
-    k_new, v_new = k_new[:, :, None], v_new[:, :, None]
-  batch, hkv, num_tokens, d = k_new.shape
+  num_kv_heads, total_pages, page_size, head_dim = k_pages.shape[-4:]
+  if stacked:
+    if np.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+      raise ValueError(f"`layer` must be an integer scalar, got {layer!r}.")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < k_pages.shape[0]:
+      raise ValueError(f"`layer` must be in [0, L={k_pages.shape[0]}), got {int(layer)}.")
+  if k_new.ndim == 3:
+    k_new, v_new = k_new[:, None], v_new[:, None]
+  batch, num_tokens, hkv, d = k_new.shape
   if hkv != num_kv_heads or d != head_dim:
     raise ValueError(
-      f"`k_new` must be [B, Hkv={num_kv_heads}, (T,) D={head_dim}], got {tuple(k_new.shape)}."
+      f"`k_new` must be [B, (T,) Hkv={num_kv_heads}, D={head_dim}], got {tuple(k_new.shape)}."
     )
   if positions.shape != (batch,) or not jnp.issubdtype(positions.dtype, jnp.integer):
     raise ValueError(
@@ -138,14 +158,20 @@ def write_kv_pages(
       if ((pages < 0) | (pages >= total_pages)).any():
         raise ValueError(f"`page_table[{b}]` has pages outside [0, {total_pages}) where written.")
 
-  return _scatter(k_pages, v_pages, k_new, v_new, positions, page_table, num_new, k_scale, v_scale)
+  layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+  return _scatter(
+    k_pages, v_pages, k_new, v_new, positions, page_table, num_new, k_scale, v_scale, layer
+  )
 
 
 @jax.jit
-def _scatter(k_pages, v_pages, k_new, v_new, positions, page_table, num_new, k_scale, v_scale):
-  """The scatter itself (inputs validated): [B, Hkv, T, D] tokens into the pools."""
-  _, total_pages, page_size, _ = k_pages.shape
-  num_tokens = k_new.shape[2]
+def _scatter(
+  k_pages, v_pages, k_new, v_new, positions, page_table, num_new, k_scale, v_scale, layer
+):
+  """The scatter itself (inputs validated): [B, T, Hkv, D] tokens into the pools."""
+  stacked = k_pages.ndim == 5
+  total_pages, page_size = k_pages.shape[-3:-1]
+  num_tokens = k_new.shape[1]
   capacity = page_table.shape[1] * page_size
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   pos = positions.astype(jnp.int32)[:, None] + t[None, :]  # [B, T]
@@ -154,10 +180,19 @@ def _scatter(k_pages, v_pages, k_new, v_new, positions, page_table, num_new, k_s
   page = jnp.take_along_axis(page_table.astype(jnp.int32), slot, axis=1)
   page = jnp.where(real & (page >= 0) & (page < total_pages), page, total_pages)  # OOB -> drop
   row = pos % page_size
+  index = [page, row]
+  if stacked:  # operand dims (layer, Hkv, P, page, D): scatter into (layer, P, page)
+    index = [jnp.broadcast_to(layer, page.shape), page, row]
+  indices = jnp.stack(index, axis=-1)  # [B, T, 2 or 3]
+  first = 1 if stacked else 0
+  dims = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(2, 3),  # updates [B, T, Hkv, D]: window = (Hkv, D)
+    inserted_window_dims=((0,) if stacked else ()) + (first + 1, first + 2),
+    scatter_dims_to_operand_dims=((0,) if stacked else ()) + (first + 1, first + 2),
+  )
 
   def write(pages, new, scale):
-    vals = new.astype(jnp.float32) / scale[None, :, None, None]  # [B, Hkv, T, D]
-    vals = saturating_cast(vals, pages.dtype).transpose(1, 0, 2, 3)  # [Hkv, B, T, D]
-    return pages.at[:, page, row].set(vals, mode="drop")
+    vals = saturating_cast(new.astype(jnp.float32) / scale[None, None, :, None], pages.dtype)
+    return jax.lax.scatter(pages, indices, vals, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
   return write(k_pages, k_new, k_scale), write(v_pages, v_new, v_scale)

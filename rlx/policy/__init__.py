@@ -16,13 +16,16 @@ Contract (see each function's docstring for shapes):
 Parameters are a plain nested dict with the decoder layers stacked on a
 leading `[L]` axis (tree in `rlx.policy._model`; `param_shapes(config)`).
 
-Decode-ready attention: the model is pure functions over that dict, and one
-decoder block is `layer_qkv` (norm, projections, q/k norm, RoPE) ->
-attention -> `layer_finish` (output projection, residual, MLP). A paged-KV
-sampler runs the same weights by calling `embed`, `get_layer`, `layer_qkv`,
-its own attention kernel, `layer_finish`, `final_norm` and
-`logits_from_hidden`; or `forward(..., attention_fn=f)` calls
-`f(layer_index, q, k, v, *, positions, segment_ids) -> out` inside its layer scan.
+One decoder: one block is `layer_qkv` (norm, projections, q/k norm, RoPE) ->
+attention -> `layer_finish` (output projection, residual, MLP), and
+`layer_scan(params, config, x, positions, *, attention_fn, cache=None, ...)`
+is the single scan over the stacked blocks that `forward`, `kv_absmax` and
+the rlx.sampling prefill/decode steps all run. Its hook
+`attention_fn(layer_index, q, k, v, cache, *, positions, segment_ids) ->
+(out, cache)` gets and returns the cache carried through the scan (e.g. a
+stacked KV page pool, updated in place at `layer_index`);
+`forward(..., attention_fn=f)` takes the cache-free form
+`f(layer_index, q, k, v, *, positions, segment_ids) -> out`.
 `kv_absmax` gives per-layer K/V abs-max from a training forward (FP8 KV scales).
 
 Per-layer parameter hook: `layer_params_fn(layer) -> layer` runs on each
@@ -49,6 +52,7 @@ from rlx.policy._logprobs import (
 )
 from rlx.policy._model import (
   AttentionFn,
+  CacheAttentionFn,
   LayerParamsFn,
   Params,
   apply_rope,
@@ -63,6 +67,7 @@ from rlx.policy._model import (
   kv_absmax,
   layer_finish,
   layer_qkv,
+  layer_scan,
   lm_head_kernel,
   logits_from_hidden,
   param_shapes,

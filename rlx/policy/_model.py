@@ -27,17 +27,23 @@ Parameter tree (shapes; `Hq = H * Dh`, `Hk = Hkv * Dh`, `I` = MLP width):
   final_norm/scale                [D]
   lm_head/kernel                  [D, V]        (absent when tie_embeddings)
 
-Decode-ready attention interface. One decoder block is
+One decoder. One block is
 
   q, k, v = layer_qkv(layer, config, x, positions)       # norm, proj, qk-norm, RoPE
-  attn    = attention(q, k, v)                           # anything: dense, paged, FP8
-  x       = layer_finish(layer, config, x, attn)         # o_proj, residual, MLP
+  out     = attention(q, k, v)                           # anything: dense, paged, FP8
+  x       = layer_finish(layer, config, x, out)          # o_proj, residual, MLP
 
-so a sampler runs the same weights with its own KV cache by calling these
-functions per layer (`get_layer(params, i)` slices layer i), and the training
-forward accepts `attention_fn(layer_index, q, k, v, *, positions,
-segment_ids) -> attn` to replace the dense causal attention inside its layer
-scan (`layer_index` is then a traced int32 scalar).
+and `layer_scan` is the single loop over the stacked blocks used by the
+training `forward`, `kv_absmax` and the paged-KV sampler (rlx.sampling) for
+prefill and decode. Its attention hook `attention_fn(layer_index, q, k, v,
+cache, *, positions, segment_ids) -> (out, cache)` receives and returns the
+cache state, which travels in the scan carry: a sampler carries its stacked
+page pool `[L, Hkv, P, page, D]` and updates layer `layer_index` in place.
+`forward(..., attention_fn=f)` takes the cache-free form `f(layer_index, q, k,
+v, *, positions, segment_ids) -> out`. K/V layout everywhere: `[B, S, Hkv,
+Dh]` as `layer_qkv` returns it (`rlx.kernels_pallas.write_kv_pages` takes new
+K/V in that layout; for a decode step `[B, Hkv, Dh]` is the same array
+without the S = 1 axis, and the query `[B, H, Dh]` of `paged_attention` too).
 
 Per-layer parameter hook (FSDP / ZeRO-3). `forward(..., layer_params_fn=g)`
 applies `g(layer) -> layer` to each block's parameter slice INSIDE the layer
@@ -69,6 +75,7 @@ from rlx.policy._config import ModelConfig
 
 Params = dict[str, Any]
 AttentionFn = Callable[..., Array]
+CacheAttentionFn = Callable[..., tuple[Array, Any]]
 LayerParamsFn = Callable[[Params], Params]
 
 
@@ -513,9 +520,7 @@ def forward(
     f32[B, S, V] logits, or [B, S, D] hidden states (compute dtype) when
     `return_hidden`.
   """
-  hidden, _ = _decoder(
-    params, config, tokens, positions, segment_ids, attention_fn, None, layer_params_fn
-  )
+  hidden = _decoder(params, config, tokens, positions, segment_ids, attention_fn, layer_params_fn)
   if return_hidden:
     return hidden
   return logits_from_hidden(params, config, hidden)
@@ -548,10 +553,76 @@ def _layer_params_hook(layer_params_fn: LayerParamsFn, config: ModelConfig) -> L
   return hook
 
 
-def _decoder(
-  params, config, tokens, positions, segment_ids, attention_fn, kv_mask, layer_params_fn=None
-):
-  """Validated embedding + layer scan + final norm; optionally per-layer K/V abs-max."""
+def layer_scan(
+  params: Params,
+  config: ModelConfig,
+  x: Float[Array, "B S D"],
+  positions: Int[Array, "B S"],
+  *,
+  attention_fn: CacheAttentionFn,
+  cache: Any = None,
+  segment_ids: Int[Array, "B S"] | None = None,
+  layer_params_fn: LayerParamsFn | None = None,
+) -> tuple[Float[Array, "B S D"], Any]:
+  """The decoder blocks, one `lax.scan` over the stacked layers; the one layer loop of rlx.
+
+  Training (`forward`, `token_logprobs`), `kv_absmax` and the paged-KV sampler's
+  prefill and decode steps all run this scan. Per layer i:
+
+    q, k, v      = layer_qkv(layer_i, config, x, positions)
+    out, cache   = attention_fn(i, q, k, v, cache, positions=..., segment_ids=...)
+    x            = layer_finish(layer_i, config, x, out)
+
+  `cache` is any pytree carried from layer to layer in the scan CARRY (never
+  as scan inputs/outputs), e.g. a stacked KV page pool `[L, Hkv, P, page, D]`:
+  the hook updates layer i in place with dynamic-update / scatter ops at the
+  traced `layer_index` and reads only what it needs (a gather of the pages its
+  sequences use), so no per-layer copy of the pool is ever made (XLA fuses
+  `pool[i]` into the consuming gather and updates carried buffers in place).
+  With `layer_params_fn` (and `config.remat` off) each block is
+  rematerialised with `dots_saveable`, as documented in `forward`.
+
+  Args:
+    params: parameter tree (module docstring); only `params["layers"]` is used.
+    config: model config.
+    x: [B, S, D] residual stream entering the first block (e.g. `embed(...)`).
+    positions: i32[B, S] RoPE positions.
+    attention_fn: `attention_fn(layer_index, q, k, v, cache, *, positions,
+      segment_ids) -> (out, cache)` with q [B, S, H, Dh], k/v [B, S, Hkv, Dh]
+      (post-RoPE), out [B, S, H, Dh]; `layer_index` is a traced int32 scalar
+      and the returned cache must have the structure, shapes and dtypes of
+      the one it received.
+    cache: the initial cache pytree (None: no cache).
+    segment_ids: i32[B, S] or None, handed to `attention_fn`.
+    layer_params_fn: optional per-layer parameter hook, as in `forward`.
+
+  Returns:
+    (x [B, S, D] after the last block, before the final norm; the final cache).
+  """
+  hook = _layer_params_hook(layer_params_fn, config) if layer_params_fn is not None else None
+
+  def block(carry, inputs):
+    x, cache = carry
+    layer, index = inputs
+    if hook is not None:
+      layer = hook(layer)
+    q, k, v = layer_qkv(layer, config, x, positions)
+    out, cache = attention_fn(index, q, k, v, cache, positions=positions, segment_ids=segment_ids)
+    return (layer_finish(layer, config, x, out), cache), None
+
+  if config.remat:
+    block = jax.checkpoint(block, prevent_cse=False)
+  elif hook is not None:
+    # Save only matmul outputs: the hook's outputs (e.g. gathered weights) and
+    # everything computed from them without a matmul are recomputed.
+    block = jax.checkpoint(block, prevent_cse=False, policy=jax.checkpoint_policies.dots_saveable)
+  indices = jnp.arange(config.num_layers, dtype=jnp.int32)
+  (x, cache), _ = jax.lax.scan(block, (x, cache), (params["layers"], indices))
+  return x, cache
+
+
+def _prepare(params, config, tokens, positions, segment_ids):
+  """Validates the decoder inputs; returns int32 (tokens, positions, segment_ids)."""
   check_params(params, config)
   check_tokens(tokens, config.vocab_size)
   _check_aux(positions, tokens, "positions")
@@ -565,35 +636,27 @@ def _decoder(
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     else:
       positions = positions_from_segments(segment_ids)
-  positions = jnp.asarray(positions, jnp.int32)
+  return tokens, jnp.asarray(positions, jnp.int32), segment_ids
+
+
+def _decoder(params, config, tokens, positions, segment_ids, attention_fn, layer_params_fn=None):
+  """Validated embedding + layer scan (no cache) + final norm."""
+  tokens, positions, segment_ids = _prepare(params, config, tokens, positions, segment_ids)
   attend = attention_fn if attention_fn is not None else default_attention_fn
-  hook = _layer_params_hook(layer_params_fn, config) if layer_params_fn is not None else None
 
-  def block(x, inputs):
-    layer, index = inputs
-    if hook is not None:
-      layer = hook(layer)
-    q, k, v = layer_qkv(layer, config, x, positions)
-    out = attend(index, q, k, v, positions=positions, segment_ids=segment_ids)
-    amax = None
-    if kv_mask is not None:
-      valid = kv_mask[:, :, None, None]
-      amax = tuple(
-        jnp.max(jnp.where(valid, jnp.abs(t.astype(jnp.float32)), 0.0), axis=(0, 1, 3))
-        for t in (k, v)
-      )
-    return layer_finish(layer, config, x, out), amax
+  def hook(index, q, k, v, cache, *, positions, segment_ids):
+    return attend(index, q, k, v, positions=positions, segment_ids=segment_ids), cache
 
-  if config.remat:
-    block = jax.checkpoint(block, prevent_cse=False)
-  elif hook is not None:
-    # Save only matmul outputs: the hook's outputs (e.g. gathered weights) and
-    # everything computed from them without a matmul are recomputed.
-    block = jax.checkpoint(block, prevent_cse=False, policy=jax.checkpoint_policies.dots_saveable)
-  x = embed(params, config, tokens)
-  indices = jnp.arange(config.num_layers, dtype=jnp.int32)
-  x, amax = jax.lax.scan(block, x, (params["layers"], indices))
-  return final_norm(params, config, x), amax
+  x, _ = layer_scan(
+    params,
+    config,
+    embed(params, config, tokens),
+    positions,
+    attention_fn=hook,
+    segment_ids=segment_ids,
+    layer_params_fn=layer_params_fn,
+  )
+  return final_norm(params, config, x)
 
 
 def kv_absmax(
@@ -604,12 +667,15 @@ def kv_absmax(
   *,
   positions: Int[Array, "B S"] | None = None,
   segment_ids: Int[Array, "B S"] | None = None,
+  layer_params_fn: LayerParamsFn | None = None,
 ) -> tuple[Float[Array, "L Hkv"], Float[Array, "L Hkv"]]:
   """Per-layer, per-KV-head `max |K|` and `max |V|` over the valid tokens of a forward pass.
 
   For FP8 KV-cache scale recalibration from the trainer's forward
-  (`k_scale = amax / headroom`, see REFERENCE.md "FP8 rollout"). K is taken
-  after RoPE (and q/k norm), exactly what a KV cache stores.
+  (`k_scale = amax / headroom`; vLLM's FP8 KV cache uses headroom 200 for K
+  and 100 for V). K is taken after RoPE (and q/k norm), exactly what a KV
+  cache stores. Runs the same `layer_scan` as `forward`, with the `[L, Hkv]`
+  abs-max arrays as the scan's cache (row i written at layer i).
 
   Args:
     params: parameter tree.
@@ -619,6 +685,7 @@ def kv_absmax(
       `segment_ids != 0` when segment ids are given).
     positions: as in `forward`.
     segment_ids: as in `forward`.
+    layer_params_fn: optional per-layer parameter hook, as in `forward`.
 
   Returns:
     (k_amax f32[L, Hkv], v_amax f32[L, Hkv]).
@@ -629,7 +696,26 @@ def kv_absmax(
     raise ValueError(
       f"`mask` must have the shape of `tokens` {np.shape(tokens)}, got {np.shape(mask)}."
     )
-  _, (k_amax, v_amax) = _decoder(
-    params, config, tokens, positions, segment_ids, None, jnp.asarray(mask) != 0
+  tokens, positions, segment_ids = _prepare(params, config, tokens, positions, segment_ids)
+  valid = (jnp.asarray(mask) != 0)[:, :, None, None]
+
+  def hook(index, q, k, v, cache, *, positions, segment_ids):
+    del positions
+    amax = tuple(
+      jnp.max(jnp.where(valid, jnp.abs(t.astype(jnp.float32)), 0.0), axis=(0, 1, 3)) for t in (k, v)
+    )
+    cache = tuple(c.at[index].set(a) for c, a in zip(cache, amax, strict=True))
+    return dense_causal_attention(q, k, v, segment_ids), cache
+
+  zeros = jnp.zeros((config.num_layers, config.num_kv_heads), jnp.float32)
+  _, (k_amax, v_amax) = layer_scan(
+    params,
+    config,
+    embed(params, config, tokens),
+    positions,
+    attention_fn=hook,
+    cache=(zeros, zeros),
+    segment_ids=segment_ids,
+    layer_params_fn=layer_params_fn,
   )
   return k_amax, v_amax

@@ -53,8 +53,10 @@ def test_prefill_then_decode_round_trips_through_attention(dtype):
   v_scale = jnp.asarray(np.abs(v).max() / 100.0, jnp.float32) if fp8 else None
   kw = dict(k_scale=k_scale, v_scale=v_scale)
   kp, vp = _pool(dtype), _pool(dtype)
+  chunk_k = k[:, :, :chunk].transpose(0, 2, 1, 3)  # [B, T, Hkv, D]: the layer_qkv layout
+  chunk_v = v[:, :, :chunk].transpose(0, 2, 1, 3)
   kp, vp = write_kv_pages(
-    kp, vp, k[:, :, :chunk], v[:, :, :chunk], jnp.zeros(3, jnp.int32), table, num_new=prompt, **kw
+    kp, vp, chunk_k, chunk_v, jnp.zeros(3, jnp.int32), table, num_new=prompt, **kw
   )
   # One decode step appends token `prompt[b]` of each sequence.
   idx = np.asarray(prompt)
@@ -129,3 +131,52 @@ def test_invalid_writes_raise(kwargs, match):
     args["v_new"] = kwargs["k_new"]
   with pytest.raises(ValueError, match=match):
     write_kv_pages(**args)
+
+
+def test_stacked_pool_writes_only_the_given_layer():
+  rng = np.random.default_rng(1)
+  num_layers = 3
+  kp = jnp.zeros((num_layers, HKV, P, PAGE, D))
+  table = jnp.asarray([[5, 2, 7], [0, 1, 3]], jnp.int32)
+  k_new = jnp.asarray(rng.normal(size=(2, 5, HKV, D)), jnp.float32)  # [B, T, Hkv, D]
+  positions = jnp.asarray([2, 0], jnp.int32)
+  num_new = jnp.asarray([5, 3], jnp.int32)
+  flat_k, flat_v = write_kv_pages(kp[1], kp[1], k_new, 2 * k_new, positions, table, num_new=num_new)
+  for layer in (1, jnp.int32(1)):
+    got_k, got_v = write_kv_pages(
+      kp, kp, k_new, 2 * k_new, positions, table, num_new=num_new, layer=layer
+    )
+    np.testing.assert_array_equal(got_k[1], flat_k)
+    np.testing.assert_array_equal(got_v[1], flat_v)
+    assert not np.asarray(got_k[0]).any() and not np.asarray(got_k[2]).any()
+  # Token t of sequence 0 sits at position 2 + t: page 5 rows 2, 3 then page 2 rows 0..2.
+  np.testing.assert_array_equal(flat_k[:, 5, 2], k_new[0, 0])
+  np.testing.assert_array_equal(flat_k[:, 2, 2], k_new[0, 4])
+  np.testing.assert_array_equal(flat_k[:, 0, 2], k_new[1, 2])
+  assert int((flat_k != 0).any(axis=(0, 3)).sum()) == 8  # 5 + 3 rows written, nothing else
+  with pytest.raises(ValueError, match="layer"):
+    write_kv_pages(kp, kp, k_new, k_new, positions, table, layer=3)
+  with pytest.raises(ValueError, match="stacked"):
+    write_kv_pages(kp[0], kp[0], k_new, k_new, positions, table, layer=0)
+
+
+def test_stacked_write_in_a_loop_is_in_place():
+  """Inside a jitted scan carrying the stacked pool, the write is an in-place scatter."""
+  num_layers = 2
+  table = jnp.asarray([[1, 2, 3]], jnp.int32)
+
+  def run(kp, vp, k_new):
+    def body(carry, i):
+      kp, vp = carry
+      kp, vp = write_kv_pages(kp, vp, k_new, k_new, jnp.asarray([4]), table, layer=i)
+      return (kp, vp), None
+
+    return jax.lax.scan(body, (kp, vp), jnp.arange(num_layers))[0]
+
+  pool = jnp.zeros((num_layers, HKV, 64, PAGE, D))
+  hlo = jax.jit(run, donate_argnums=(0, 1)).lower(pool, pool, jnp.ones((1, HKV, D))).compile()
+  text = hlo.as_text()
+  shape = f"f32[{num_layers},{HKV},64,{PAGE},{D}]"
+  copies = [line for line in text.splitlines() if shape in line and " copy(" in line]
+  assert not copies, copies
+  assert "transpose(" not in text

@@ -6,6 +6,7 @@ from rlx import policy
 
 PUBLIC = (
   "AttentionFn",
+  "CacheAttentionFn",
   "CharTokenizer",
   "DEFAULT_CHUNK_SIZE",
   "DEFAULT_MAX_SHARD_BYTES",
@@ -28,6 +29,7 @@ PUBLIC = (
   "kv_absmax",
   "layer_finish",
   "layer_qkv",
+  "layer_scan",
   "lm_head_kernel",
   "load_hf_checkpoint",
   "logits_from_hidden",

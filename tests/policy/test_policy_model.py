@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx import policy
+from rlx import kernels_pallas, policy
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -258,38 +258,69 @@ def test_external_attention_fn_matches_default(family, models):
     )
 
 
+PAGE = 4
+
+
 @functools.partial(jax.jit, static_argnums=1)
-def _decode_with_kv_cache(params, config, tokens):
-  """Token-by-token decoding with an external KV cache driven by the per-layer functions."""
+def _paged_decode(params, config, tokens):
+  """Token-by-token decoding through `layer_scan` with a stacked paged KV pool in its carry.
+
+  One `lax.fori_loop` step feeds token t of every row at position t: the hook writes
+  its K/V into the `[L, Hkv, P, page, D]` pool (`write_kv_pages(..., layer=i)`) and
+  attends over the row's pages with `paged_attention`, as a sampler's decode step does.
+  Rows use interleaved, non-contiguous pages.
+  """
   b, s = tokens.shape
-  k_cache = [jnp.zeros((b, 0, config.num_kv_heads, config.head_dim))] * config.num_layers
-  v_cache = list(k_cache)
-  group = config.num_query_groups
-  out = []
-  for t in range(s):
-    x = policy.embed(params, config, tokens[:, t : t + 1])
-    positions = jnp.full((b, 1), t, jnp.int32)
-    for i in range(config.num_layers):
-      layer = policy.get_layer(params, i)
-      q, k, v = policy.layer_qkv(layer, config, x, positions)
-      k_cache[i] = jnp.concatenate([k_cache[i], k], axis=1)
-      v_cache[i] = jnp.concatenate([v_cache[i], v], axis=1)
-      keys = jnp.repeat(k_cache[i], group, axis=2)
-      values = jnp.repeat(v_cache[i], group, axis=2)
-      scores = jnp.einsum("bqhd,bkhd->bhqk", q, keys) / np.sqrt(config.head_dim)
-      attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), values)
-      x = policy.layer_finish(layer, config, x, attn)
-    out.append(policy.logits_from_hidden(params, config, policy.final_norm(params, config, x)))
-  return jnp.concatenate(out, axis=1)
+  pages_per_row = -(-s // PAGE)
+  shape = (config.num_layers, config.num_kv_heads, b * pages_per_row, PAGE, config.head_dim)
+  pool = (jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan))  # unwritten rows must never be read
+  table = jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(pages_per_row, b).T
+
+  def step(t, carry):
+    pool, logits = carry
+    length = jnp.full((b,), t, jnp.int32)
+
+    def hook(i, q, k, v, pool, *, positions, segment_ids):
+      del positions, segment_ids
+      k_pool, v_pool = kernels_pallas.write_kv_pages(
+        *pool, k[:, 0], v[:, 0], length, table, layer=i
+      )
+      out = kernels_pallas.paged_attention(q[:, 0], k_pool[i], v_pool[i], length + 1, table)
+      return out[:, None], (k_pool, v_pool)
+
+    x = policy.embed(params, config, jax.lax.dynamic_slice_in_dim(tokens, t, 1, axis=1))
+    x, pool = policy.layer_scan(params, config, x, length[:, None], attention_fn=hook, cache=pool)
+    step_logits = policy.logits_from_hidden(params, config, policy.final_norm(params, config, x))
+    return pool, jax.lax.dynamic_update_slice_in_dim(logits, step_logits, t, axis=1)
+
+  logits = jnp.zeros((b, s, config.vocab_size), jnp.float32)
+  return jax.lax.fori_loop(0, s, step, (pool, logits))[1]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_per_layer_functions_drive_a_kv_cache_decode(family, models):
-  """A sampler-style decode loop over the exported pieces reproduces the forward logits."""
+def test_layer_scan_drives_a_paged_kv_decode(family, models):
+  """Decoding with the paged pool in the layer-scan carry reproduces the forward logits."""
   config, params = models[family]
-  tokens = _tokens(2, 4, seed=3)
+  tokens = _tokens(2, 6, seed=3)
   ref = _forward(params, config, tokens)
-  np.testing.assert_allclose(_decode_with_kv_cache(params, config, tokens), ref, atol=1e-4)
+  np.testing.assert_allclose(_paged_decode(params, config, tokens), ref, atol=1e-4)
+
+
+def test_layer_scan_cache_in_carry_and_checks(models):
+  config, params = models["qwen2"]
+  tokens = _tokens(2, 5, seed=5)
+  x = policy.embed(params, config, tokens)
+  positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+  def hook(i, q, k, v, cache, *, positions, segment_ids):
+    return policy.dense_causal_attention(q, k, v), cache.at[i].add(i + 1)
+
+  out, cache = policy.layer_scan(
+    params, config, x, positions, attention_fn=hook, cache=jnp.zeros(config.num_layers)
+  )
+  np.testing.assert_array_equal(cache, np.arange(1, config.num_layers + 1))
+  hidden = _forward(params, config, tokens, return_hidden=True)
+  np.testing.assert_allclose(policy.final_norm(params, config, out), hidden, atol=1e-5)
 
 
 def test_kv_absmax_matches_per_layer_computation(models):
@@ -308,6 +339,12 @@ def test_kv_absmax_matches_per_layer_computation(models):
       want = np.abs(np.asarray(t))[valid].max(axis=(0, 2))  # [Hkv]
       np.testing.assert_allclose(got, want, rtol=1e-5)
     x = policy.layer_finish(layer, config, x, policy.dense_causal_attention(q, k, v))
+  # The per-layer parameter hook runs inside kv_absmax's layer scan too.
+  double_v = lambda layer: {**layer, "attn": {**layer["attn"], "v_proj": jax.tree.map(
+    lambda a: 2 * a, layer["attn"]["v_proj"])}}  # fmt: skip
+  k2, v2 = policy.kv_absmax(params, config, tokens, mask, layer_params_fn=double_v)
+  np.testing.assert_allclose(k2[0], k_amax[0], rtol=1e-6)  # layer 0 keys unchanged
+  np.testing.assert_allclose(v2[0], 2 * v_amax[0], rtol=1e-5)
 
 
 def test_config_from_transformers4_style_dicts():
