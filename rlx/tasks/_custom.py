@@ -6,7 +6,13 @@ from typing import Any
 import numpy as np
 
 from rlx.tasks._base import SPLITS, Example, JaxReward, Task, check_split_name
-from rlx.tasks._prompts import decode_completion, encode_prompt, resolve_tokenizer, stop_ids
+from rlx.tasks._prompts import (
+  decode_completion,
+  encode_prompt,
+  encode_text,
+  resolve_tokenizer,
+  stop_ids,
+)
 
 RewardFn = Callable[[str, str], float]
 """`reward_fn(completion_text, answer) -> float`, like verl's
@@ -95,7 +101,10 @@ def _example(
       f"Task {name!r}: field 'target' of examples[{split!r}][{index}] must be a str, got "
       f"{type(target).__name__}."
     )
-  target_ids = () if target is None else (*tokenizer.encode(target), tokenizer.eos_id)
+  if target is None:
+    target_ids = ()
+  else:
+    target_ids = (*encode_text(tokenizer, target, name, add_special_tokens=False), tokenizer.eos_id)
   return Example(prompt_ids, record["answer"], target_ids, text)
 
 

@@ -25,7 +25,13 @@ import numpy as np
 from rlx.tasks._base import Example, Task, check_split_name
 from rlx.tasks._data import load_records
 from rlx.tasks._math_answers import ANSWER_SOURCES, extract_answer, numbers_match, parse_number
-from rlx.tasks._prompts import decode_completion, encode_prompt, resolve_tokenizer, stop_ids
+from rlx.tasks._prompts import (
+  decode_completion,
+  encode_prompt,
+  encode_text,
+  resolve_tokenizer,
+  stop_ids,
+)
 
 INSTRUCTIONS = {
   "####": 'Let\'s think step by step and output the final answer after "####".',
@@ -126,7 +132,8 @@ class GSM8KTask(Task):
     for label, size in (("dev_size", dev_size), ("test_size", test_size)):
       if not isinstance(size, int) or size < 0:
         raise ValueError(f"Task {name!r}: `{label}` must be an int >= 0, got {size!r}.")
-    numbers_match(0, 0, rtol=rtol, atol=atol)  # validates the tolerances
+    if not (rtol >= 0 and atol >= 0):
+      raise ValueError(f"Task {name!r}: `rtol` and `atol` must be >= 0, got {rtol=} {atol=}.")
     self.tokenizer = resolve_tokenizer(tokenizer, name)
     self.stop_token_ids = stop_ids(self.tokenizer)
     self.max_answer_len = max_answer_len
@@ -221,7 +228,10 @@ class GSM8KTask(Task):
       target = f"{head.rstrip()}\nThe final answer is \\boxed{{{tail.strip()}}}."
     elif self.answer_format == "####" and "####" not in target:
       target = f"{target}\n#### {answer}" if target != answer else f"#### {answer}"
-    target_ids = (*self.tokenizer.encode(target), self.tokenizer.eos_id)
+    target_ids = (
+      *encode_text(self.tokenizer, target, self.name, add_special_tokens=False),
+      self.tokenizer.eos_id,
+    )
     return Example(prompt_ids=prompt_ids, answer=answer, target_ids=target_ids, prompt_text=text)
 
   def split(self, name: str) -> Sequence[Example]:

@@ -56,13 +56,21 @@ def encode_prompt(
     text = tokenizer.apply_chat_template(
       messages, add_generation_prompt=True, **dict(chat_template_kwargs or {})
     )
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = encode_text(tokenizer, text, task, add_special_tokens=False)
   else:
     text = f"{system_prompt}\n\n{content}" if system_prompt else content
-    ids = tokenizer.encode(text, add_special_tokens=True)
+    ids = encode_text(tokenizer, text, task, add_special_tokens=True)
   if not ids:
     raise ValueError(f"Task {task!r}: the prompt {text!r} has no tokens.")
   return tuple(int(i) for i in ids), text
+
+
+def encode_text(tokenizer: Any, text: str, task: str, *, add_special_tokens: bool) -> list[int]:
+  """`tokenizer.encode(text)`, its errors re-raised naming the task and the text."""
+  try:
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+  except ValueError as e:
+    raise ValueError(f"Task {task!r}: cannot tokenize {text[:120]!r}: {e}") from e
 
 
 def decode_completion(tokenizer: Any, completion: list[int]) -> str:
