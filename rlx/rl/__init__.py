@@ -1,0 +1,99 @@
+"""rlx.rl: the RL loop as a library (rollout -> reward -> advantages -> log-probs -> update).
+
+  summary = rlx.rl.run(rlx.rl.get_config(), "/tmp/rlx_arithmetic")
+
+Pieces, for a custom loop:
+  learner = Learner(config, task, model_config, mesh)       # jitted log-probs / train step
+  rollout = SyncRollout(sampler, num_samples=K, ...)        # collect(params, prompts, rng)
+  state, metrics, batch = learner.iteration(state, ref_params, rollout, examples, rng)
+  rl_step = make_rl_step(learner, sampler)                  # the same iteration as ONE jit
+  state, metrics = rl_step.from_examples(state, ref_params, examples, rng)
+"""
+
+from rlx.rl._advantages import (
+  group_advantages,
+)
+from rlx.rl._batch import (
+  FINISH_REASONS,
+  RolloutBatch,
+  build_rollout_batch,
+  response_arrays,
+  train_batch,
+)
+from rlx.rl._config import (
+  BASELINES,
+  get_config,
+  samples_per_prompt,
+  train_config,
+  validate_config,
+)
+from rlx.rl._data import (
+  PromptSource,
+)
+from rlx.rl._evaluate import (
+  greedy_accuracy,
+)
+from rlx.rl._learner import (
+  Learner,
+  RLStep,
+  make_rl_step,
+)
+from rlx.rl._logging import (
+  MetricsLog,
+  plot_run,
+  read_metrics,
+)
+from rlx.rl._rollout import (
+  Rollout,
+  SyncRollout,
+  make_sampler,
+  pad_prompts,
+  sampler_kwargs,
+)
+from rlx.rl._run import (
+  SUPERVISED_NOTE,
+  build_mesh,
+  build_model,
+  format_summary,
+  run,
+)
+from rlx.rl._warmup import (
+  WarmupCapError,
+  WarmupResult,
+  supervised_warmup,
+)
+
+__all__ = (
+  "BASELINES",
+  "FINISH_REASONS",
+  "Learner",
+  "MetricsLog",
+  "PromptSource",
+  "RLStep",
+  "Rollout",
+  "RolloutBatch",
+  "SUPERVISED_NOTE",
+  "SyncRollout",
+  "WarmupCapError",
+  "WarmupResult",
+  "build_mesh",
+  "build_model",
+  "build_rollout_batch",
+  "format_summary",
+  "get_config",
+  "greedy_accuracy",
+  "group_advantages",
+  "make_rl_step",
+  "make_sampler",
+  "pad_prompts",
+  "plot_run",
+  "read_metrics",
+  "response_arrays",
+  "run",
+  "sampler_kwargs",
+  "samples_per_prompt",
+  "supervised_warmup",
+  "train_batch",
+  "train_config",
+  "validate_config",
+)

@@ -1,0 +1,39 @@
+"""Greedy accuracy of a policy on a task split (exact-match reward of greedy completions)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def greedy_accuracy(
+  sampler: Any, params: Any, task: Any, examples: Sequence[Any], *, batch_size: int
+) -> float:
+  """Mean reward of greedy completions: the fraction solved for an exact-match task.
+
+  Args:
+    sampler: an `rlx.sampling.Sampler` built with temperature 0.
+    params: the policy params.
+    task: the `rlx.tasks.Task` whose `reward` scores the completions.
+    examples: the examples to evaluate (e.g. `task.split("test")`).
+    batch_size: prompts per `generate` call.
+
+  Returns:
+    The mean reward over `examples` (a Python float).
+  """
+  if not len(examples):
+    raise ValueError(f"Task {task.name!r}: no examples to evaluate.")
+  if batch_size < 1:
+    raise ValueError(f"`batch_size` must be >= 1, got {batch_size}.")
+  total = 0.0
+  for start in range(0, len(examples), batch_size):
+    chunk = list(examples[start : start + batch_size])
+    out = sampler.generate(
+      params, [list(e.prompt_ids) for e in chunk], num_samples=1, rng=jax.random.PRNGKey(0)
+    )
+    tokens = np.asarray(out.tokens)
+    lengths = np.asarray(out.lengths)
+    completions = [tokens[i, : int(n)].tolist() for i, n in enumerate(lengths)]
+    total += float(np.sum(task.reward(chunk, completions)))
+  return total / len(examples)

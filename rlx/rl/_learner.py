@@ -1,0 +1,258 @@
+"""One RL iteration, host-driven (`Learner.iteration`) or as ONE jitted function (`make_rl_step`).
+
+Iteration (DeepSeekMath GRPO, https://arxiv.org/abs/2402.03300, with the
+policy loss chosen from rlx.objectives.POLICY_LOSSES):
+
+  batch      = rollout.collect(params, prompts, rng)        # K samples / prompt
+  rewards    = task.jax_reward(...) on device | task.reward(...) on host
+  adv, keep  = group advantages (grpo | drgrpo | rloo | median/MC-GRPO)
+  old_logp   = compute_logprobs(params, batch)              # anchor policy
+  ref_logp   = compute_logprobs(ref_params, batch)          # only if kl_coef > 0
+  state      = train_step(state, batch)                     # rlx.train, sharded
+  params go back to the sampler as the same device arrays (no host copy).
+
+The host-driven path times each phase (rollout / logp / train); `make_rl_step`
+fuses everything for a JAX reward into one compiled program (as in
+purejaxrl's fully-jitted PPO, https://github.com/luchris429/purejaxrl).
+"""
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rlx import train
+from rlx.rl import _advantages, _batch, _config
+
+REWARD_MODES = ("auto", "jax", "host")
+
+
+def _rollout_metrics(batch: _batch.RolloutBatch, rewards: jax.Array) -> dict[str, jax.Array]:
+  lengths = batch.response_lengths.astype(jnp.float32)
+  return {
+    "reward_mean": jnp.mean(rewards),
+    "reward_std": jnp.std(rewards),
+    "response_length": jnp.mean(lengths),
+    "stop_fraction": jnp.mean(batch.stopped.astype(jnp.float32)),
+    "response_tokens": jnp.sum(lengths),
+  }
+
+
+def _group_metrics(rewards: jax.Array, group_size: int) -> dict[str, jax.Array]:
+  grouped = rewards.reshape(-1, group_size)
+  solved_any = jnp.any(grouped > 0.5, axis=1)
+  solved_all = jnp.all(grouped > 0.5, axis=1)
+  return {
+    "groups_all_correct": jnp.mean(solved_all.astype(jnp.float32)),
+    "groups_mixed": jnp.mean((solved_any & ~solved_all).astype(jnp.float32)),
+  }
+
+
+class Learner:
+  """The jitted pieces of an RL iteration on one mesh, shared by both drivers.
+
+  Attributes:
+    group_size: K, samples per prompt (G, or G + 1 for the median baseline).
+    train_config: the `rlx.train` config (temperature = the rollout's).
+    compute_logprobs, train_step: from `rlx.train`.
+    uses_ref: whether a reference policy (KL) is needed.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, task: Any, model_config: Any, mesh: Any):
+    _config.validate_config(config)
+    self.config = config
+    self.task = task
+    self.model_config = model_config
+    self.mesh = mesh
+    self.group_size = _config.samples_per_prompt(config)
+    self.baseline = config.rl.baseline
+    self.train_config = _config.train_config(config)
+    self.compute_logprobs = train.make_compute_logprobs(model_config, self.train_config, mesh)
+    self.train_step = train.make_train_step(model_config, self.train_config, mesh)
+    self.uses_ref = float(self.train_config.kl_coef) > 0
+    mode = config.rl.get("reward", "auto")
+    if mode not in REWARD_MODES:
+      raise ValueError(f"`config.rl.reward` must be one of {REWARD_MODES}, got {mode!r}.")
+    if mode == "jax" and task.jax_reward is None:
+      raise ValueError(f"Task {task.name!r} has no jax_reward; set config.rl.reward='host'.")
+    self.jax_reward = task.jax_reward if mode in ("auto", "jax") else None
+    group_size, baseline = self.group_size, self.baseline
+    self._advantages = jax.jit(lambda r: _advantages.group_advantages(r, group_size, baseline))
+    self._rewards_jax = None if self.jax_reward is None else jax.jit(self._device_rewards)
+    self._metrics = jax.jit(
+      lambda b, r: {**_rollout_metrics(b, r), **_group_metrics(r, group_size)}
+    )
+    self._train_batch = jax.jit(_batch.train_batch)
+
+  def _device_rewards(self, batch, answer_ids, answer_lengths):
+    completion, lengths = _batch.response_arrays(batch)
+    return self.jax_reward(answer_ids, answer_lengths, completion, lengths)
+
+  def rewards(self, batch: _batch.RolloutBatch, examples: Sequence[Any]) -> jax.Array:
+    """f32[B] rewards of the rows (examples = one per prompt, rows prompt-major)."""
+    k = self.group_size
+    if len(examples) * k != batch.num_rows:
+      raise ValueError(f"{len(examples)} examples x {k} samples != {batch.num_rows} rollout rows.")
+    if self._rewards_jax is not None:
+      ids, lengths = self.task.answer_arrays(examples)
+      return self._rewards_jax(batch, np.repeat(ids, k, 0), np.repeat(lengths, k))
+    repeated = [e for e in examples for _ in range(k)]
+    return jnp.asarray(self.task.reward(repeated, batch.responses()))
+
+  def iteration(
+    self,
+    state: train.TrainState,
+    ref_params: Any,
+    rollout: Any,
+    examples: Sequence[Any],
+    rng: jax.Array,
+  ) -> tuple[train.TrainState, dict[str, float], _batch.RolloutBatch]:
+    """One host-driven iteration; returns (state, host metrics, the rollout batch).
+
+    Metrics include the phase times `time/rollout_s`, `time/reward_s`,
+    `time/logp_s`, `time/train_s` (each phase waited for on host).
+    """
+    t0 = time.perf_counter()
+    version = int(train.to_host(state.step))
+    batch = rollout.collect(
+      state.params, [e.prompt_ids for e in examples], rng, policy_version=version
+    )
+    jax.block_until_ready(batch.tokens)
+    t1 = time.perf_counter()
+    rewards = self.rewards(batch, examples)
+    batch = batch.with_rewards(rewards)
+    adv, keep = self._advantages(batch.rewards)
+    tb = self._train_batch(batch, adv, keep)
+    jax.block_until_ready(tb)
+    t2 = time.perf_counter()
+    tb = train.shard_batch(tb, self.mesh)
+    tb["old_logp"] = self.compute_logprobs(state, tb)
+    if self.uses_ref:
+      tb["ref_logp"] = self.compute_logprobs(ref_params, tb)
+    jax.block_until_ready(tb)
+    t3 = time.perf_counter()
+    state, train_metrics = self.train_step(state, tb)
+    jax.block_until_ready(state.params)
+    t4 = time.perf_counter()
+    metrics = {k: float(v) for k, v in train.to_host(self._metrics(batch, batch.rewards)).items()}
+    metrics.update(_host_floats(train_metrics))
+    metrics.update(
+      {
+        "time/rollout_s": t1 - t0,
+        "time/reward_s": t2 - t1,
+        "time/logp_s": t3 - t2,
+        "time/train_s": t4 - t3,
+        "time/iteration_s": t4 - t0,
+      }
+    )
+    return state, metrics, batch
+
+
+def _host_floats(metrics: dict) -> dict[str, float]:
+  out = {}
+  for k, v in train.to_host(metrics).items():
+    if k in ("step_time_s", "tokens_per_second", "loss_tokens_per_second"):
+      continue
+    out[k] = float(np.asarray(v))
+  return out
+
+
+class RLStep:
+  """`rl_step(state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng)`.
+
+  From `make_rl_step`: the whole iteration as one jitted function that
+  donates `state`. Returns `(state, metrics)` with device scalar metrics.
+  """
+
+  def __init__(self, jitted: Any, learner: Learner, width: int):
+    self.jitted = jitted
+    self.learner = learner
+    self.width = width
+
+  def __call__(
+    self, state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
+  ):
+    n = prompt_tokens.shape[0]
+    for name, x in (("prompt_lengths", prompt_lengths), ("answer_lengths", answer_lengths)):
+      if tuple(np.shape(x)) != (n,):
+        raise ValueError(f"`{name}` must have shape [N] = ({n},), got {np.shape(x)}.")
+    if np.shape(prompt_tokens)[1] != self.width:
+      raise ValueError(
+        f"`prompt_tokens` must be [N, max_prompt_len={self.width}], got {np.shape(prompt_tokens)}."
+      )
+    if np.shape(answer_ids)[0] != n:
+      raise ValueError(f"`answer_ids` must have {n} rows, got {np.shape(answer_ids)}.")
+    return self.jitted(
+      state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
+    )
+
+  def from_examples(self, state, ref_params, examples: Sequence[Any], rng):
+    """Calls the step on a list of task examples (padding prompts and answers)."""
+    from rlx.rl import _rollout  # noqa: PLC0415
+
+    tokens, lengths = _rollout.pad_prompts([e.prompt_ids for e in examples], self.width)
+    ids, alen = self.learner.task.answer_arrays(examples)
+    return self(state, ref_params, tokens, lengths, ids, alen, rng)
+
+
+def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
+  """The whole iteration — sample, JAX reward, advantages, log-probs, update — as ONE jit.
+
+  Needs a task with a `jax_reward` and a batch that fits the sampler's slots
+  (N prompts x K samples <= max_slots): `sampler.generate_fn` runs inside
+  the same program as the train step, so nothing leaves the device between
+  sampling and the update. It computes the same function as
+  `Learner.iteration` with a `SyncRollout` over the same sampler and rng.
+
+  Args:
+    learner: the `Learner` (config, train step, log-probs).
+    sampler: an `rlx.sampling.Sampler` with `generate_fn(params,
+      prompt_tokens i32[N, P], prompt_lengths i32[N], rng) -> (tokens
+      i32[N, T], logprobs f32[N, T], lengths i32[N], stopped bool[N])`.
+
+  Returns:
+    An `RLStep`.
+  """
+  if learner.jax_reward is None:
+    raise ValueError(
+      f"make_rl_step needs a JAX reward; task {learner.task.name!r} has none (or "
+      "config.rl.reward='host'). Use the host-driven Learner.iteration."
+    )
+  k = learner.group_size
+  uses_ref = learner.uses_ref
+  width = int(sampler.cfg.max_prompt_len)
+
+  def step(state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng):
+    n = prompt_tokens.shape[0]
+    if n * k > sampler.cfg.max_slots:
+      raise ValueError(
+        f"make_rl_step: {n} prompts x {k} samples = {n * k} rows exceed the sampler's "
+        f"max_slots={sampler.cfg.max_slots}."
+      )
+    pt = jnp.repeat(prompt_tokens, k, axis=0)
+    pl = jnp.repeat(prompt_lengths, k)
+    tokens, logps, lengths, stopped = sampler.generate_fn(state.params, pt, pl, rng)
+    groups = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
+    batch = _batch.build_rollout_batch(pt, pl, tokens, logps, lengths, stopped, groups, state.step)
+    completion, clen = _batch.response_arrays(batch)
+    rewards = learner.jax_reward(
+      jnp.repeat(answer_ids, k, axis=0), jnp.repeat(answer_lengths, k), completion, clen
+    )
+    batch = batch.with_rewards(rewards)
+    adv, keep = _advantages.group_advantages(rewards, k, learner.baseline)
+    tb = _batch.train_batch(batch, adv, keep)
+    inputs = {"tokens": tb["tokens"], "loss_mask": tb["loss_mask"]}
+    tb["old_logp"] = learner.compute_logprobs.jitted(state.params, inputs)
+    if uses_ref:
+      tb["ref_logp"] = learner.compute_logprobs.jitted(ref_params, inputs)
+    state, metrics = learner.train_step.jitted(state, tb)
+    metrics = dict(metrics)
+    metrics.update(_rollout_metrics(batch, rewards))
+    metrics.update(_group_metrics(rewards, k))
+    return state, metrics
+
+  return RLStep(jax.jit(step, donate_argnums=(0,)), learner, width)

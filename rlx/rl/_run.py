@@ -1,0 +1,331 @@
+"""`run(config, workdir) -> summary`: warm-up, RL, evaluation, logs, checkpoints, plots.
+
+Workdir layout:
+  warmup/        orbax checkpoint of the warmed-up policy (reused on resume)
+  checkpoints/   orbax checkpoints of the RL run (params, optimizer, rng, data cursor)
+  metrics.jsonl  one JSON record per warm-up evaluation / RL iteration / dev evaluation
+  tensorboard/   TensorBoard event files (tensorboardX)
+  plots/         PNG learning curves, written at the end
+  summary.json   accuracy_before, accuracy_after, wall_time_s, iterations, config, ...
+"""
+
+import json
+import math
+import os
+import time
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rlx import policy, tasks, train
+from rlx.rl import _config, _data, _evaluate, _learner, _logging, _rollout, _warmup
+
+SUPERVISED_NOTE = (
+  "Note: supervised training on the gold answers alone could also solve this task; the "
+  "demo's point is that the policy improves from the reward alone (no gold answers are "
+  "used after the warm-up)."
+)
+
+
+def build_model(config: ml_collections.ConfigDict, task: Any) -> tuple[Any, Any]:
+  """`(model_config, params)`: an HF checkpoint, or a fresh small model for the task."""
+  m = config.model
+  if m.hf_checkpoint:
+    return policy.load_hf_checkpoint(m.hf_checkpoint)
+  model_config = policy.ModelConfig.small(
+    family=m.family,
+    vocab_size=int(task.tokenizer.vocab_size),
+    hidden_size=m.hidden_size,
+    num_layers=m.num_layers,
+    num_heads=m.num_heads,
+    num_kv_heads=m.num_kv_heads,
+    head_dim=m.head_dim,
+    intermediate_size=m.intermediate_size,
+    param_dtype=m.param_dtype,
+    compute_dtype=m.compute_dtype,
+  )
+  key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
+  return model_config, policy.init_params(model_config, key)
+
+
+def build_mesh(config: ml_collections.ConfigDict) -> Any:
+  """The `rlx.train` mesh of `config.mesh`."""
+  devices = jax.devices()
+  if config.mesh.num_devices:
+    if config.mesh.num_devices > len(devices):
+      raise ValueError(
+        f"`config.mesh.num_devices`={config.mesh.num_devices} exceeds the {len(devices)} devices."
+      )
+    devices = devices[: config.mesh.num_devices]
+  return train.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+
+
+def _subset(examples, n):
+  return examples if not n else examples[: min(n, len(examples))]
+
+
+def _write_json(path: str, value: Any) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=2, default=float)
+  os.replace(tmp, path)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs (or resumes) a whole experiment in `workdir` and returns its summary.
+
+  Warm-up (if `config.warmup.enabled`) until the dev greedy accuracy reaches
+  `warmup.target_dev_accuracy`, then `rl.iterations` RL iterations, then the
+  held-out test greedy accuracy. Re-running on the same workdir resumes from
+  the last checkpoint (a finished run only re-reads its summary).
+
+  Args:
+    config: the RL config (`rlx.rl.get_config()` or an experiments config).
+    workdir: output directory (created).
+
+  Returns:
+    The summary dict (also written to `workdir/summary.json`).
+  """
+  _config.validate_config(config)
+  wall_start = time.perf_counter()
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  mesh = build_mesh(config)
+  model_config, init_params = build_model(config, task)
+  k = _config.samples_per_prompt(config)
+  rows = int(config.rl.prompts_per_iteration) * k
+  rollout_kwargs = _rollout.sampler_kwargs(config, task, rows=rows, greedy=False)
+  eval_batch = min(max(config.eval.test_examples, config.eval.dev_examples, 1), 512)
+  eval_kwargs = _rollout.sampler_kwargs(config, task, rows=eval_batch, greedy=True)
+  eval_kwargs["max_slots"] = min(eval_kwargs["max_slots"], eval_batch)
+  sampler = _rollout.make_sampler(model_config, rollout_kwargs, mesh)
+  eval_sampler = _rollout.make_sampler(model_config, eval_kwargs, mesh)
+  seq_len = rollout_kwargs["max_prompt_len"] + rollout_kwargs["max_new_tokens"]
+  dev = _subset(task.split("dev"), config.eval.dev_examples)
+  test = _subset(task.split("test"), config.eval.test_examples)
+
+  def evaluate(params, examples):
+    return _evaluate.greedy_accuracy(eval_sampler, params, task, examples, batch_size=eval_batch)
+
+  learner = _learner.Learner(config, task, model_config, mesh)
+  train_cfg = learner.train_config
+  abstract = train.abstract_train_state(model_config, train_cfg, mesh)
+  ckpt = train.Checkpointer(
+    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
+  )
+  base_key = jax.random.PRNGKey(config.seed)
+  rollout_key = jax.random.fold_in(base_key, 1)
+
+  # --- warm-up (cached) ---
+  warm_ckpt = train.Checkpointer(os.path.join(workdir, "warmup"), max_to_keep=1, async_save=False)
+  if warm_ckpt.latest_step() is not None:
+    restored = warm_ckpt.restore(abstract)
+    start_state, warm_info = restored.state, restored.data_cursor
+  else:
+    t0 = time.perf_counter()
+    log0 = _logging.MetricsLog(workdir, resume_iteration=0, tensorboard=False)
+    params, info = init_params, {"steps": 0, "dev_accuracy": None, "reached": None}
+    if config.warmup.enabled:
+      result = _warmup.supervised_warmup(
+        init_params,
+        model_config,
+        mesh,
+        task,
+        config,
+        evaluate=lambda p: evaluate(p, dev),
+        seq_len=seq_len,
+        seed=int(config.seed),
+        log=lambda r: log0.write({"phase": "warmup", **r}),
+      )
+      params = result.params
+      info = {"steps": result.steps, "dev_accuracy": result.dev_accuracy, "reached": result.reached}
+    log0.close()
+    start_state = train.create_train_state(
+      params, model_config, train_cfg, mesh, rng=jax.random.fold_in(base_key, 2)
+    )
+    info["test_accuracy"] = evaluate(start_state.params, test)
+    info["time_s"] = time.perf_counter() - t0
+    warm_info = info
+    warm_ckpt.save(0, start_state, data_cursor=warm_info, force=True)
+    warm_ckpt.wait_until_finished()
+  warm_ckpt.close()
+  ref_params = None
+  if learner.uses_ref:
+    ref_params = jax.tree.map(jnp.copy, start_state.params)
+
+  # --- RL (resumable) ---
+  latest = ckpt.latest_step()
+  if latest is not None:
+    restored = ckpt.restore(abstract)
+    state, cursor = restored.state, restored.data_cursor
+  else:
+    state = start_state
+    cursor = {
+      "source": None,
+      "iteration": 0,
+      "rl_time_s": 0.0,
+      "elapsed_s": 0.0,
+      "done": False,
+      "stop": None,
+    }
+  del start_state
+  start = int(cursor["iteration"])
+  elapsed_before = float(cursor.get("elapsed_s", 0.0))
+  source = _data.PromptSource(
+    task.split("train"),
+    batch_size=int(config.rl.prompts_per_iteration),
+    seed=int(config.seed) + 1,
+    cursor=cursor["source"],
+  )
+  rollout = _rollout.SyncRollout(
+    sampler,
+    num_samples=k,
+    max_prompt_len=rollout_kwargs["max_prompt_len"],
+    max_new_tokens=rollout_kwargs["max_new_tokens"],
+  )
+  fused = bool(
+    config.rl.fused
+    and learner.jax_reward is not None
+    and hasattr(sampler, "generate_fn")
+    and rows <= rollout_kwargs["max_slots"]
+  )
+  rl_step = _learner.make_rl_step(learner, sampler) if fused else None
+  log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
+  total = int(config.rl.iterations)
+  bar = None
+  if config.log.progress_bar and not cursor["done"]:
+    import tqdm  # noqa: PLC0415
+
+    bar = tqdm.tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
+  rl_time = float(cursor["rl_time_s"])
+  dev_accuracy = None
+  stop_reason = cursor.get("stop")
+  iteration = start
+  phase_start = time.perf_counter()
+  while not cursor["done"] and iteration < total:
+    examples = source.next_batch()
+    rng = jax.random.fold_in(rollout_key, iteration)
+    t0 = time.perf_counter()
+    if fused:
+      state, device_metrics = rl_step.from_examples(state, ref_params, examples, rng)
+      metrics = _learner._host_floats(device_metrics)
+      metrics["time/fused_s"] = time.perf_counter() - t0
+    else:
+      state, metrics, _ = learner.iteration(state, ref_params, rollout, examples, rng)
+    seconds = time.perf_counter() - t0
+    metrics["time/iteration_s"] = seconds
+    metrics["response_tokens_per_s"] = metrics["response_tokens"] / max(seconds, 1e-9)
+    iteration += 1
+    record = {"phase": "rl", "iteration": iteration, **metrics}
+    last = iteration == total
+    if config.eval.every and (iteration % config.eval.every == 0 or last):
+      dev_accuracy = evaluate(state.params, dev)
+      log.write({"phase": "eval", "iteration": iteration, "dev_accuracy": dev_accuracy})
+      record["dev_accuracy"] = dev_accuracy
+    log.write(record)
+    rl_time += time.perf_counter() - t0
+    if config.rl.target_dev_accuracy and dev_accuracy is not None:
+      if dev_accuracy >= config.rl.target_dev_accuracy:
+        stop_reason = f"dev accuracy {dev_accuracy:.3f} >= rl.target_dev_accuracy"
+    if config.rl.max_time_s and time.perf_counter() - phase_start >= config.rl.max_time_s:
+      stop_reason = f"rl.max_time_s={config.rl.max_time_s} reached"
+      warnings.warn(f"Stopping RL after {iteration} iterations: {stop_reason}.", stacklevel=2)
+    done = last or stop_reason is not None
+    if bar is not None:
+      post = {
+        "reward": f"{metrics['reward_mean']:.3f}",
+        "tok/s": f"{metrics['response_tokens_per_s']:.0f}",
+      }
+      if dev_accuracy is not None:
+        post["dev_acc"] = f"{dev_accuracy:.3f}"
+      bar.set_postfix(post)
+      bar.update(1)
+    if done or iteration % config.checkpoint.every == 0:
+      cursor = {
+        "source": source.cursor,
+        "iteration": iteration,
+        "rl_time_s": rl_time,
+        "elapsed_s": elapsed_before + time.perf_counter() - wall_start,
+        "done": done,
+        "stop": stop_reason,
+      }
+      ckpt.save(
+        iteration, state, data_cursor=cursor, extra={"rng": np.asarray(base_key)}, force=True
+      )
+  if bar is not None:
+    bar.close()
+  log.close()
+  ckpt.close()
+
+  accuracy_after = evaluate(state.params, test)
+  accuracy_before = float(warm_info["test_accuracy"])
+  plots = []
+  if config.log.plots:
+    plots.append(
+      _logging.plot_run(workdir, accuracy_before=accuracy_before, accuracy_after=accuracy_after)
+    )
+  summary_path = os.path.join(workdir, "summary.json")
+  records = _logging.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  rl_records = [r for r in records if r.get("phase") == "rl"]
+  summary = {
+    "task": task.name,
+    "accuracy_before": accuracy_before,
+    "accuracy_after": accuracy_after,
+    "improvement_points": 100.0 * (accuracy_after - accuracy_before),
+    "iterations": int(cursor["iteration"]),
+    "stop_reason": stop_reason,
+    "warmup_steps": warm_info["steps"],
+    "warmup_dev_accuracy": warm_info["dev_accuracy"],
+    "warmup_time_s": warm_info["time_s"],
+    "rl_time_s": rl_time,
+    "seconds_per_iteration": rl_time / max(int(cursor["iteration"]), 1),
+    "final_reward_mean": rl_records[-1]["reward_mean"] if rl_records else math.nan,
+    "fused_rl_step": fused,
+    "wall_time_s": None,
+    "resumed_from_iteration": start if latest is not None else None,
+    "plots": plots,
+    "workdir": workdir,
+    "note": SUPERVISED_NOTE,
+    "config": config.to_dict(),
+  }
+  this_process = time.perf_counter() - wall_start
+  # Time of earlier processes up to their last checkpoint + this process.
+  summary["wall_time_s"] = elapsed_before + this_process
+  summary["wall_time_s_this_process"] = this_process
+  _write_json(summary_path, summary)
+  if config.log.print_summary:
+    print(format_summary(summary))
+  return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  """The before/after table printed at the end of a run."""
+  rows = [
+    ("held-out greedy accuracy, after warm-up (before RL)", f"{summary['accuracy_before']:.3f}"),
+    ("held-out greedy accuracy, after RL", f"{summary['accuracy_after']:.3f}"),
+    ("improvement (points)", f"{summary['improvement_points']:+.1f}"),
+    (
+      "warm-up steps (dev accuracy reached)",
+      f"{summary['warmup_steps']} ({summary['warmup_dev_accuracy']})",
+    ),
+    ("RL iterations", f"{summary['iterations']}"),
+    ("seconds / RL iteration", f"{summary['seconds_per_iteration']:.3f}"),
+    ("wall time (s)", f"{summary['wall_time_s']:.1f}"),
+  ]
+  width = max(len(r[0]) for r in rows)
+  lines = ["", f"rlx RL run on task {summary['task']!r}", "-" * (width + 14)]
+  lines += [f"{name:<{width}}  {value:>10}" for name, value in rows]
+  lines.append("-" * (width + 14))
+  for p in summary["plots"]:
+    lines.append(f"plots:    {p}")
+  lines.append(
+    f"metrics:  {os.path.join(summary['workdir'], 'metrics.jsonl')} (TensorBoard: tensorboard/)"
+  )
+  lines.append(f"summary:  {os.path.join(summary['workdir'], 'summary.json')}")
+  lines.append(SUPERVISED_NOTE)
+  return "\n".join(lines)
