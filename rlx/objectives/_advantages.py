@@ -12,15 +12,46 @@ and differentiable should a caller need it.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from rlx.objectives import _checks
 
 
-def _check_rewards(rewards: jax.Array, name: str = "rewards") -> None:
+def check_rewards(rewards: jax.Array, name: str = "rewards") -> jax.Array:
+  """Validates `[num_groups, G]` rewards and returns the bool mask of finite entries.
+
+  Raises ValueError for a rank other than 2, a zero-size shape, or, when the
+  values are concrete (an eager call), any NaN/inf entry, naming the first
+  group that holds one. Under `jit` the values are unknown; callers then
+  exclude the non-finite entries with the returned mask.
+  """
   _checks.check_rank(rewards, 2, name)
-  if rewards.shape[1] < 1:
-    raise ValueError(f"`{name}` must have at least one sample per group, got {rewards.shape}.")
+  _checks.check_not_empty(
+    rewards, name, "[num_groups, G] with at least one group and one sample per group"
+  )
+  if _checks.is_concrete(rewards):
+    values = np.asarray(rewards)
+    bad = ~np.isfinite(values)
+    if bad.any():
+      group, member = (int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(
+        f"`{name}` must be finite: group {group} holds {values[group, member]} at sample "
+        f"{member} ({int(bad.sum())} non-finite value(s) in total; groups "
+        f"{sorted({int(g) for g in np.nonzero(bad.any(axis=1))[0]})})."
+      )
+  return jnp.isfinite(rewards)
+
+
+def _group_stats(rewards: jax.Array, finite: jax.Array) -> tuple[jax.Array, ...]:
+  """Count, sum, mean and unbiased std over each group's finite members, `[Ng, 1]` each."""
+  count = jnp.sum(finite, axis=1, keepdims=True).astype(jnp.float32)
+  values = jnp.where(finite, rewards, 0.0)
+  total = jnp.sum(values, axis=1, keepdims=True)
+  mean = total / jnp.maximum(count, 1.0)
+  square = jnp.sum(jnp.where(finite, jnp.square(rewards - mean), 0.0), axis=1, keepdims=True)
+  std = jnp.sqrt(square / jnp.maximum(count - 1.0, 1.0))
+  return count, total, mean, std
 
 
 def grpo_advantages(
@@ -40,6 +71,11 @@ def grpo_advantages(
   response at its group mean gets exactly 0, even with `eps = 0` and a group of
   equal rewards (where the formula would be 0 / 0).
 
+  Non-finite rewards: an eager call raises ValueError naming the group. Under
+  `jit` a NaN/inf reward is contained: it gets advantage 0 and is left out of
+  its group's mean and std, so the finite members are scored as a group of
+  the finite ones (one finite member: the singleton rule above).
+
   References: Shao et al. 2024, "DeepSeekMath" (GRPO),
   https://arxiv.org/abs/2402.03300; Liu et al. 2025, "Understanding R1-Zero-Like
   Training" (Dr.GRPO), https://arxiv.org/abs/2503.20783.
@@ -47,22 +83,19 @@ def grpo_advantages(
   Args:
     rewards: per-response scalar rewards with shape `[num_groups, G]`.
     normalize_std: divide by the group standard deviation (GRPO) or not (Dr.GRPO).
-    eps: added to the standard deviation before dividing.
+    eps: added to the standard deviation before dividing, `>= 0`.
 
   Returns:
     float32 advantages with shape `[num_groups, G]`.
   """
   rewards = _checks.as_f32(rewards)
-  _check_rewards(rewards)
+  finite = check_rewards(rewards)
   _checks.check_non_negative(eps, "eps")
-  group_size = rewards.shape[1]
-  if group_size == 1:
-    mean = jnp.zeros_like(rewards)
-    std = jnp.ones_like(rewards)
-  else:
-    mean = jnp.mean(rewards, axis=1, keepdims=True)
-    std = jnp.std(rewards, axis=1, keepdims=True, ddof=1)
-  centered = rewards - mean
+  count, _, mean, std = _group_stats(rewards, finite)
+  singleton = count <= 1.0
+  mean = jnp.where(singleton, 0.0, mean)
+  std = jnp.where(singleton, 1.0, std)
+  centered = jnp.where(finite, rewards - mean, 0.0)
   if not normalize_std:
     return centered
   # A group of equal rewards gives exactly 0, also with eps = 0 (not 0 / 0 = NaN).
@@ -74,9 +107,9 @@ def drgrpo_advantages(rewards: Float[Array, "Ng G"]) -> Float[Array, "Ng G"]:
 
   A_ig = s_ig - mean_g s   (singleton group: mean 0, so A = s).
 
-  Equivalent to `grpo_advantages(rewards, normalize_std=False)`. Reference:
-  Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
-  Perspective", https://arxiv.org/abs/2503.20783.
+  Equivalent to `grpo_advantages(rewards, normalize_std=False)`, including its
+  handling of non-finite rewards. Reference: Liu et al. 2025, "Understanding
+  R1-Zero-Like Training: A Critical Perspective", https://arxiv.org/abs/2503.20783.
 
   Args:
     rewards: per-response scalar rewards with shape `[num_groups, G]`.
@@ -95,6 +128,11 @@ def rloo_advantages(rewards: Float[Array, "Ng G"]) -> Float[Array, "Ng G"]:
   A singleton group has no other member to form a baseline; as in verl's
   `compute_rloo_outcome_advantage` its baseline is 0, so A = s.
 
+  Non-finite rewards: an eager call raises ValueError naming the group. Under
+  `jit` a NaN/inf reward is contained: it gets advantage 0 and is left out of
+  the other members' baselines (a group of its finite members; one finite
+  member: the singleton rule above).
+
   Reference: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
   Optimization for Learning from Human Feedback in LLMs",
   https://arxiv.org/abs/2402.14740.
@@ -106,13 +144,12 @@ def rloo_advantages(rewards: Float[Array, "Ng G"]) -> Float[Array, "Ng G"]:
     float32 advantages with shape `[num_groups, G]`.
   """
   rewards = _checks.as_f32(rewards)
-  _check_rewards(rewards)
-  group_size = rewards.shape[1]
-  if group_size == 1:
-    return rewards
-  total = jnp.sum(rewards, axis=1, keepdims=True)
-  baseline = (total - rewards) / (group_size - 1)
-  return rewards - baseline
+  finite = check_rewards(rewards)
+  count, total, _, _ = _group_stats(rewards, finite)
+  values = jnp.where(finite, rewards, 0.0)
+  others = jnp.maximum(count - 1.0, 1.0)
+  baseline = jnp.where(count <= 1.0, 0.0, (total - values) / others)
+  return jnp.where(finite, values - baseline, 0.0)
 
 
 def broadcast_to_tokens(
@@ -136,7 +173,7 @@ def broadcast_to_tokens(
   seq_values = jnp.asarray(seq_values)
   mask = jnp.asarray(mask)
   _checks.check_rank(seq_values, 1, "seq_values")
-  _checks.check_rank(mask, 2, "mask")
+  _checks.check_token_arrays(mask=mask)
   if mask.shape[0] != seq_values.shape[0]:
     raise ValueError(
       f"`seq_values` must have shape [B] = ({mask.shape[0]},) matching `mask` {mask.shape}, "

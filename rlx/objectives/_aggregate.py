@@ -56,7 +56,7 @@ def aggregate_scale(mask: Shaped[Array, "B T"], mode: str) -> Float[Array, ""]:
     float32 scalar.
   """
   check_choice(mode, AGG_MODES, "mode")
-  check_rank(mask, 2, "mask")
+  check_token_arrays(mask=mask)
   return _default_scale(as_mask(mask), mode)
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_greater, check_non_negative, clip
+from rlx.objectives._checks import check_greater, check_range, check_ratio_clips, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import (
   apply_is_weights,
@@ -99,17 +99,10 @@ def aspo_loss(
     clip_frac_dual counts both dual clips: A < 0 with r > c and A > 0 with
     1 / r > c+).
   """
-  for value, name in (
-    (clip_low, "clip_low"),
-    (clip_high, "clip_high"),
-    (high_entropy_clip_low, "high_entropy_clip_low"),
-    (high_entropy_clip_high, "high_entropy_clip_high"),
-  ):
-    check_non_negative(value, name)
-  check_greater(dual_clip, 1.0, "dual_clip")
+  check_ratio_clips(clip_low, clip_high, dual_clip)
+  check_ratio_clips(high_entropy_clip_low, high_entropy_clip_high, prefix="high_entropy_")
   check_greater(positive_dual_clip, 1.0, "positive_dual_clip")
-  if not 0.0 <= high_entropy_fraction <= 1.0:
-    raise ValueError(f"`high_entropy_fraction` must be in [0, 1], got {high_entropy_fraction!r}.")
+  check_range(high_entropy_fraction, "high_entropy_fraction", low=0.0, high=1.0)
   x = prepare_policy_inputs(
     logp,
     old_logp,

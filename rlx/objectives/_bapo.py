@@ -88,9 +88,9 @@ def bapo_clip_bounds(
     advantages: per-token advantages `[B, T]`.
     mask: response mask `[B, T]`.
     c_low: starting lower ratio bound, 0 < c_low <= c_low_max.
-    c_high: starting upper ratio bound, c_high <= c_high_max.
-    c_low_max: largest lower bound.
-    c_high_max: largest upper bound.
+    c_high: starting upper ratio bound, 1 <= c_high <= c_high_max.
+    c_low_max: largest lower bound, <= 1.
+    c_high_max: largest upper bound, <= dual_clip.
     delta: step > 0 of each raise.
     rho0: target positive share in (0, 1].
     dual_clip: dual-clip constant c for A < 0 (tokens with r > c carry no
@@ -103,13 +103,16 @@ def bapo_clip_bounds(
   _checks.check_token_arrays(
     logp=logp, old_logp=old_logp, advantages=advantages, mask=jnp.asarray(mask)
   )
-  _checks.check_positive(c_low, "c_low")
+  # Ratio bounds: 0 < c_low <= c_low_max <= 1 <= c_high <= c_high_max <= dual_clip,
+  # so the PPO keywords 1 - c_low and c_high - 1 stay in [0, 1) and >= 0.
+  _checks.check_range(c_low, "c_low", low=0.0, high=1.0, low_open=True)
+  _checks.check_range(c_low_max, "c_low_max", low=0.0, high=1.0, low_open=True)
   _checks.check_interval(c_low, c_low_max, "c_low", "c_low_max")
-  _checks.check_interval(c_low, c_high, "c_low", "c_high")
+  _checks.check_range(c_high, "c_high", low=1.0)
   _checks.check_interval(c_high, c_high_max, "c_high", "c_high_max")
   _checks.check_positive(delta, "delta")
-  _checks.check_positive(rho0, "rho0")
-  _checks.check_interval(rho0, 1.0, "rho0", "1")
+  _checks.check_range(rho0, "rho0", low=0.0, high=1.0, low_open=True)
+  _checks.check_greater(dual_clip, 1.0, "dual_clip")
   _checks.check_interval(c_high_max, dual_clip, "c_high_max", "dual_clip")
 
   valid = _checks.as_mask(mask)

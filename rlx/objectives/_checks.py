@@ -2,8 +2,9 @@
 
 Each public objective validates on entry: ranks and shapes are static under
 `jit`, so these checks cost nothing at run time and fail before tracing goes
-further. Hyper-parameters are checked only when they are concrete Python
-numbers; traced values (e.g. adaptive clip bounds) pass through unchecked.
+further. Hyper-parameters are checked whenever their value is known: Python
+and NumPy numbers and concrete (non-traced) `jax.Array`s. Traced values (e.g.
+adaptive clip bounds computed inside a jitted step) pass through unchecked.
 """
 
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,13 @@ def check_same_shape(reference_name: str, reference: Any, others: Mapping[str, A
       )
 
 
+def check_not_empty(x: Any, name: str, expected: str = "at least one element") -> None:
+  """Raises ValueError if `x` has a zero-size dimension (e.g. B = 0 or T = 0)."""
+  shape = np.shape(x)
+  if 0 in shape:
+    raise ValueError(f"`{name}` must be {expected}, got the zero-size shape {tuple(shape)}.")
+
+
 def check_token_arrays(**arrays: Any) -> None:
   """Checks that all given (non-None) arrays are `[B, T]` and share one shape.
 
@@ -51,6 +59,7 @@ def check_token_arrays(**arrays: Any) -> None:
     return
   ref_name, ref = items[0]
   check_rank(ref, 2, ref_name)
+  check_not_empty(ref, ref_name, "[B, T] with B >= 1 sequences and T >= 1 tokens")
   check_same_shape(ref_name, ref, dict(items[1:]))
 
 
@@ -61,29 +70,92 @@ def check_choice(value: Any, choices: Iterable[str], name: str) -> None:
 
 
 def is_concrete(x: Any) -> bool:
-  """True for Python/NumPy numbers (not JAX tracers or device arrays)."""
-  return isinstance(x, int | float | np.number | np.ndarray) and not isinstance(x, jax.Array)
+  """True when the value of `x` is known now: Python/NumPy numbers and arrays, and
+  `jax.Array`s that are not tracers (under `jit`/`grad` a traced value is not)."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return isinstance(x, int | float | np.number | np.ndarray | jax.Array)
+
+
+def _show(value: Any) -> str:
+  return repr(value.tolist() if isinstance(value, jax.Array | np.ndarray) else value)
+
+
+def check_range(
+  value: Any,
+  name: str,
+  *,
+  low: float | None = None,
+  high: float | None = None,
+  low_open: bool = False,
+  high_open: bool = False,
+  why: str = "",
+) -> None:
+  """Raises ValueError unless concrete `value` lies in the interval (None = unbounded side).
+
+  NaN is always out of range. Traced values are not checked.
+  """
+  if value is None or not is_concrete(value):
+    return
+  x = np.asarray(value, np.float64)
+  ok = ~np.isnan(x)
+  if low is not None:
+    ok &= (x > low) if low_open else (x >= low)
+  if high is not None:
+    ok &= (x < high) if high_open else (x <= high)
+  if np.all(ok):
+    return
+  if high is None:
+    want = f"{'>' if low_open else '>='} {low}"
+  elif low is None:
+    want = f"{'<' if high_open else '<='} {high}"
+  else:
+    want = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+  raise ValueError(f"`{name}` must be {want}, got {_show(value)}{why}.")
+
+
+def check_finite(value: Any, name: str) -> None:
+  """Raises ValueError unless concrete `value` is a finite number."""
+  check_range(value, name, low=-np.inf, high=np.inf, low_open=True, high_open=True)
 
 
 def check_non_negative(value: Any, name: str) -> None:
-  if value is not None and is_concrete(value) and not np.all(np.asarray(value) >= 0):
-    raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
+  check_range(value, name, low=0.0)
 
 
 def check_positive(value: Any, name: str) -> None:
-  if value is not None and is_concrete(value) and not np.all(np.asarray(value) > 0):
-    raise ValueError(f"`{name}` must be > 0, got {value!r}.")
+  check_range(value, name, low=0.0, low_open=True)
 
 
 def check_greater(value: Any, bound: float, name: str) -> None:
-  if value is not None and is_concrete(value) and not np.all(np.asarray(value) > bound):
-    raise ValueError(f"`{name}` must be > {bound}, got {value!r}.")
+  check_range(value, name, low=bound, low_open=True)
 
 
 def check_interval(low: Any, high: Any, low_name: str, high_name: str) -> None:
   """Raises ValueError if concrete `low > high`."""
   if is_concrete(low) and is_concrete(high) and not np.all(np.asarray(low) <= np.asarray(high)):
-    raise ValueError(f"`{low_name}` ({low!r}) must be <= `{high_name}` ({high!r}).")
+    raise ValueError(f"`{low_name}` ({_show(low)}) must be <= `{high_name}` ({_show(high)}).")
+
+
+def check_ratio_clips(
+  clip_low: Any, clip_high: Any, dual_clip: Any = None, *, prefix: str = ""
+) -> None:
+  """PPO-convention ratio clip bounds: the ratio is kept in `[1 - clip_low, 1 + clip_high]`.
+
+  `clip_low` in [0, 1) (at >= 1 the lower bound `1 - clip_low <= 0` is below
+  every ratio, silently removing the clip), `clip_high >= 0` and `dual_clip > 1`
+  (None: off; at <= 1 the cap would lie inside the clip window).
+  """
+  check_range(
+    clip_low,
+    f"{prefix}clip_low",
+    low=0.0,
+    high=1.0,
+    high_open=True,
+    why=" (the ratio's lower bound is 1 - clip_low; >= 1 would remove it)",
+  )
+  check_non_negative(clip_high, f"{prefix}clip_high")
+  check_greater(dual_clip, 1.0, "dual_clip")
 
 
 def as_f32(x: jax.Array) -> jax.Array:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_non_negative
+from rlx.objectives._checks import check_non_negative, check_range
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import apply_is_weights, prepare_policy_inputs
 from rlx.objectives._ratios import masked_log_ratio
@@ -38,7 +38,7 @@ def cispo_loss(
     old_logp: old-policy log-probs (detached), with shape `[B, T]`.
     advantages: per-token advantages (detached), with shape `[B, T]`.
     mask: 1/True on the tokens that count, with shape `[B, T]`.
-    clip_low: `>= 0`; lower weight bound `1 - clip_low` (>= 1 means none).
+    clip_low: in [0, 1]; lower weight bound `1 - clip_low` (1 means none).
     clip_high: `>= 0`; upper weight bound `1 + clip_high`.
     is_weights: rollout-correction weights (detached), with shape `[B, T]`.
     agg: aggregation mode (see `aggregate`).
@@ -49,7 +49,13 @@ def cispo_loss(
     clip fractions count tokens whose weight is truncated, any advantage sign;
     no dual clip).
   """
-  check_non_negative(clip_low, "clip_low")
+  check_range(
+    clip_low,
+    "clip_low",
+    low=0.0,
+    high=1.0,
+    why=" (the weight's lower bound is 1 - clip_low; 1 means no lower truncation)",
+  )
   check_non_negative(clip_high, "clip_high")
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale

@@ -8,9 +8,10 @@ from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import (
   as_mask,
   check_choice,
+  check_finite,
   check_non_negative,
   check_positive,
-  check_rank,
+  check_token_arrays,
   clip,
 )
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
@@ -49,7 +50,8 @@ def ctpo_clip_scale(
     float32 with shape `[B, T]` (masked positions carry the scale of the last
     valid position before them, or of t = 1).
   """
-  check_rank(mask, 2, "mask")
+  check_token_arrays(mask=mask)
+  check_finite(position_power, "position_power")
   return _clip_scale(_positions(as_mask(mask)), position_power)
 
 
@@ -115,6 +117,7 @@ def ctpo_loss(
   check_non_negative(clip_low, "clip_low")
   check_non_negative(clip_high, "clip_high")
   check_positive(dual_clip, "dual_clip")
+  check_finite(position_power, "position_power")
   check_choice(variant, CTPO_VARIANTS, "variant")
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale

@@ -35,6 +35,7 @@ def effective_sample_size(
     float32 scalar.
   """
   weights = jnp.asarray(weights)
+  _checks.check_not_empty(weights, "weights")
   if valid is None:
     valid = jnp.ones(weights.shape, jnp.bool_)
   else:

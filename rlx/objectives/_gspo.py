@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_non_negative, clip
+from rlx.objectives._checks import check_ratio_clips, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import apply_is_weights, clipped_surrogate, prepare_policy_inputs
 from rlx.objectives._ratios import masked_log_ratio, masked_sequence_log_ratio
@@ -51,8 +51,7 @@ def gspo_loss(
     sequence ratio `w`, broadcast over the sequence's tokens; approx_kl uses
     the token log-ratio).
   """
-  check_non_negative(clip_low, "clip_low")
-  check_non_negative(clip_high, "clip_high")
+  check_ratio_clips(clip_low, clip_high)
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
   )

@@ -97,6 +97,7 @@ def renormalize_weights(
     float32 with the shape of `weights`; never differentiated.
   """
   weights = jnp.asarray(weights)
+  _checks.check_not_empty(weights, "weights")
   valid = _checks.as_mask(jnp.asarray(valid))
   _checks.check_same_shape("weights", weights, {"valid": valid})
   w = jax.lax.stop_gradient(_checks.as_f32(weights))

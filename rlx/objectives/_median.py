@@ -4,6 +4,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from rlx.objectives import _checks
+from rlx.objectives._advantages import check_rewards
 
 MEDIAN_SCALES = ("std", "mad", "none")
 
@@ -41,6 +42,12 @@ def median_advantages(
   reference's MAD scaling then yields A in {0, +-1/eps} = {0, +-1000}. The std
   scale keeps binary-reward advantages O(1) and equals GRPO's scaling.
 
+  Non-finite rewards: an eager call raises ValueError naming the group. Under
+  `jit` a NaN/inf reward is contained: it gets A = 0 and keep_mask = 0 and is
+  left out of the median, the pivot choice and the scale; the pivot is the
+  lower middle of the finite members (so a group that lost one member keeps
+  G - 1 rollouts with gradient).
+
   Reference: MC-GRPO (median-centred GRPO), https://github.com/lotusroot-kim/MC-GRPO.
 
   Args:
@@ -48,7 +55,8 @@ def median_advantages(
       size must be odd and >= 3.
     scale: "std" | "mad" | "none", see above.
     eps: added to the scale before dividing; None picks 1e-6 for "std" and 1e-3
-      for "mad" (the reference's value). Ignored for "none".
+      for "mad" (the reference's value); must be > 0 for "mad". Ignored for
+      "none".
 
   Returns:
     `(advantages, keep_mask)`, both float32 with shape `[num_groups, G + 1]`;
@@ -57,7 +65,7 @@ def median_advantages(
     `broadcast_to_tokens`/the loss.
   """
   rewards = _checks.as_f32(rewards)
-  _checks.check_rank(rewards, 2, "rewards")
+  finite = check_rewards(rewards)
   _checks.check_choice(scale, MEDIAN_SCALES, "scale")
   group_size = rewards.shape[1]
   if group_size < 3 or group_size % 2 == 0:
@@ -69,24 +77,34 @@ def median_advantages(
   if eps is None:
     eps = _DEFAULT_EPS[scale]
   _checks.check_non_negative(eps, "eps")
+  if scale == "mad" and _checks.is_concrete(eps) and float(eps) == 0.0:
+    raise ValueError(
+      "`eps` must be > 0 with scale='mad': the MAD is 0 whenever more than half of a group "
+      "shares the median (e.g. binary rewards), and (s - m) / 0 is +-inf. Use eps > 0 (the "
+      "reference uses 1e-3) or scale='std'."
+    )
 
-  order = jnp.argsort(rewards, axis=1, stable=True)
-  pivot = order[:, (group_size - 1) // 2]  # [Ng]
+  # Non-finite rewards sort after every finite one and never enter a statistic.
+  count = jnp.sum(finite, axis=1)  # [Ng]
+  order = jnp.argsort(jnp.where(finite, rewards, jnp.inf), axis=1, stable=True)
+  middle = jnp.maximum(count - 1, 0) // 2
+  pivot = jnp.take_along_axis(order, middle[:, None], axis=1)[:, 0]  # [Ng]
   median = jnp.take_along_axis(rewards, pivot[:, None], axis=1)  # [Ng, 1]
-  centered = rewards - median
+  centered = jnp.where(finite, rewards - median, 0.0)
+  observed = jnp.where(finite, rewards, jnp.nan)
 
   if scale == "std":
-    spread = jnp.std(rewards, axis=1, keepdims=True, ddof=1)
+    spread = jnp.nanstd(observed, axis=1, keepdims=True, ddof=1)
     advantages = centered / (spread + eps)
   elif scale == "mad":
-    spread = jnp.median(jnp.abs(centered), axis=1, keepdims=True)
+    spread = jnp.nanmedian(jnp.abs(observed - median), axis=1, keepdims=True)
     advantages = centered / (spread + eps)
   else:
     advantages = centered
 
   is_pivot = jnp.arange(group_size)[None, :] == pivot[:, None]
-  keep_mask = jnp.where(is_pivot, jnp.float32(0.0), jnp.float32(1.0))
+  keep_mask = jnp.where(is_pivot | ~finite, jnp.float32(0.0), jnp.float32(1.0))
   # Rollouts at the median (the pivot and its ties) get exactly 0, even when the
-  # scale is 0 and eps = 0 (0 / 0).
+  # scale is 0 and eps = 0 (0 / 0); so does every non-finite reward.
   advantages = jnp.where(centered == 0, jnp.float32(0.0), advantages)
   return advantages, keep_mask

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_greater, check_non_negative, clip
+from rlx.objectives._checks import check_ratio_clips, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import (
   apply_dual_clip,
@@ -57,9 +57,7 @@ def ppo_clip_loss(
   Returns:
     `(loss, metrics)`: float32 scalar and `PolicyLossMetrics` (ratio = `r`).
   """
-  check_non_negative(clip_low, "clip_low")
-  check_non_negative(clip_high, "clip_high")
-  check_greater(dual_clip, 1.0, "dual_clip")
+  check_ratio_clips(clip_low, clip_high, dual_clip)
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
   )
