@@ -1,0 +1,34 @@
+"""rlx.sampling: the jitted paged-KV sampler with continuous batching.
+
+  cfg = SamplerConfig(max_slots=32, page_size=16, num_pages=512, max_prompt_len=64,
+                      max_new_tokens=128, kv_dtype="float32", temperature=1.0, top_k=0,
+                      top_p=1.0, stop_token_ids=(), steps_per_sync=32)
+  sampler = Sampler(model_config, cfg, mesh=None)
+  out = sampler.generate(params, prompts, num_samples=4, rng=key)      # host-scheduled
+  # out.tokens i32[N, M], out.logprobs f32[N, M], out.lengths i32[N],
+  # out.finish_reason ("stop" | "length" per row), out.prompt_index i32[N], out.stats
+  tokens, logprobs, lengths, stopped = sampler.generate_fn(             # pure, jittable
+      params, prompt_tokens, prompt_lengths, key, num_samples=1)
+
+Rows are prompt-major: row i * num_samples + j is sample j of prompt i. The
+decode step is the policy's own layer scan (`rlx.policy.layer_scan`) with the
+stacked page pool in its carry and `rlx.kernels_pallas.paged_attention` /
+`write_kv_pages` as the attention hook; see `rlx.sampling._engine` (device
+side) and `rlx.sampling._sampler` (scheduling, prefix sharing, preemption).
+"""
+
+from rlx.sampling._config import KV_DTYPES as KV_DTYPES
+from rlx.sampling._config import SamplerConfig as SamplerConfig
+from rlx.sampling._sample import sample_keys as sample_keys
+from rlx.sampling._sample import sample_tokens as sample_tokens
+from rlx.sampling._sampler import Completions as Completions
+from rlx.sampling._sampler import Sampler as Sampler
+
+__all__ = (
+  "KV_DTYPES",
+  "Completions",
+  "SamplerConfig",
+  "Sampler",
+  "sample_keys",
+  "sample_tokens",
+)

@@ -1,0 +1,392 @@
+"""Device side of the sampler: the paged KV cache state, chunked prefill, the decode loop.
+
+State (all device arrays, static shapes; S slots, P pages, L layers):
+
+  KVPool     k, v                    [L, Hkv, P, page, D]  stacked page pools
+  PageState  page_table              i32[S, pages_per_sequence]
+             refcount                i32[P]   slots (and prompt holders) using a page
+             free_stack, num_free    i32[P], i32[]   free pages are free_stack[:num_free]
+  SlotState  active, length, last_token, num_generated, prompt_index,
+             sample_index, stopped   [S]
+             tokens, logprobs        [S, max_new_tokens]
+
+A slot's KV holds its first `length` tokens; `last_token` (position `length`)
+is fed to the next decode step, which writes its K/V, attends over
+`length + 1` tokens and samples token `num_generated`. So a prompt of n
+tokens is prefilled with its first n - 1 tokens and every sampled token comes
+out of the decode step (one sampling path).
+
+The decode loop is one `lax.while_loop` of up to `steps_per_sync` steps. Each
+step (1) pops a page from the free stack for every slot whose next position
+starts a new page (a slot that finds none is "blocked": it does not advance
+and the loop ends so the host can preempt), (2) runs `rlx.policy.layer_scan`
+with the stacked pool in the scan carry: the attention hook writes the
+step's K/V into layer i with `write_kv_pages(..., layer=i)` (an in-place
+scatter) and reads the slots' pages with `paged_attention` (a gather of the
+used pages fused with the layer index; no copy of the pool), (3) samples in
+float32 on `[S, V]`, (4) releases the pages of finished slots (reference
+counts; pages reaching 0 go back on the free stack).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlx import kernels_pallas, policy
+from rlx.sampling._config import SamplerConfig
+from rlx.sampling._sample import sample_keys, sample_tokens
+
+# Finite "-inf" for masked attention logits (a fully masked padding row stays finite).
+_MASK = -0.7 * float(np.finfo(np.float32).max)
+
+
+class KVPool(NamedTuple):
+  """Stacked K and V page pools, `[L, Hkv, P, page_size, D]` each."""
+
+  k: jax.Array
+  v: jax.Array
+
+
+class PageState(NamedTuple):
+  """Page tables, reference counts and the free stack (see module docstring)."""
+
+  page_table: jax.Array  # i32[S, pages_per_sequence]
+  refcount: jax.Array  # i32[P]
+  free_stack: jax.Array  # i32[P]
+  num_free: jax.Array  # i32[]
+
+
+class SlotState(NamedTuple):
+  """Per-slot decode state (see module docstring)."""
+
+  active: jax.Array  # bool[S]
+  length: jax.Array  # i32[S]
+  last_token: jax.Array  # i32[S]
+  num_generated: jax.Array  # i32[S]
+  prompt_index: jax.Array  # i32[S]
+  sample_index: jax.Array  # i32[S]
+  stopped: jax.Array  # bool[S]
+  tokens: jax.Array  # i32[S, M]
+  logprobs: jax.Array  # f32[S, M]
+
+
+class LoopInfo(NamedTuple):
+  """What one decode window did."""
+
+  steps: jax.Array  # i32[]: decode steps run
+  blocked: jax.Array  # bool[S]: slots that found no free page
+  peak_pages: jax.Array  # i32[]: most pages in use after a step
+
+
+def empty_slots(num_slots: int, max_new_tokens: int) -> SlotState:
+  """Host (numpy) slot state with every slot idle."""
+  zeros = np.zeros((num_slots,), np.int32)
+  return SlotState(
+    active=np.zeros((num_slots,), bool),
+    length=zeros.copy(),
+    last_token=zeros.copy(),
+    num_generated=zeros.copy(),
+    prompt_index=zeros.copy(),
+    sample_index=zeros.copy(),
+    stopped=np.zeros((num_slots,), bool),
+    tokens=np.zeros((num_slots, max_new_tokens), np.int32),
+    logprobs=np.zeros((num_slots, max_new_tokens), np.float32),
+  )
+
+
+class Engine:
+  """The jitted device functions of one sampler (own jit caches, so compiles are countable).
+
+  Args:
+    model_config: the policy's `ModelConfig`.
+    config: the `SamplerConfig`.
+    mesh: optional `rlx.train` mesh: slots over ("data", "fsdp"), KV heads over "tensor".
+  """
+
+  def __init__(self, model_config: policy.ModelConfig, config: SamplerConfig, mesh: Mesh | None):
+    self.model = model_config
+    self.config = config
+    self.mesh = mesh
+    self.page_dtype = config.page_dtype(model_config.compute_dtype)
+    self.pages_per_sequence = config.pages_per_sequence
+    self.stop_ids = np.asarray(config.stop_token_ids, np.int32)
+    self._batch_axes = None
+    self._tensor_axis = None
+    if mesh is not None:
+      from rlx.train import BATCH_AXES
+
+      self._batch_axes = tuple(a for a in BATCH_AXES if a in mesh.shape) or None
+      if "tensor" in mesh.shape and model_config.num_kv_heads % mesh.shape["tensor"] == 0:
+        self._tensor_axis = "tensor"
+    self.decode = jax.jit(self._decode_loop, static_argnames=("max_steps", "allocate"),
+                          donate_argnums=(1,))  # fmt: skip
+    self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+    self.copy_pages = jax.jit(self._copy_pages, donate_argnums=(0,))
+
+  # --------------------------------------------------------------------------------------
+  # Shardings.
+
+  def _spec(self, kind: str) -> PartitionSpec:
+    b, t = self._batch_axes, self._tensor_axis
+    return {
+      "pool": PartitionSpec(None, t),
+      "slots": PartitionSpec(b),
+      "slots2": PartitionSpec(b, None),
+      "q": PartitionSpec(b, t, None),
+      "replicated": PartitionSpec(),
+    }[kind]
+
+  def sharding(self, kind: str):
+    """NamedSharding of a state array kind, or None without a mesh."""
+    if self.mesh is None:
+      return None
+    return NamedSharding(self.mesh, self._spec(kind))
+
+  def _constrain(self, x, kind: str):
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.sharding(kind))
+
+  def pool_sharding(self):
+    return self.sharding("pool")
+
+  def state_shardings(self):
+    """(PageState, SlotState) shardings (None without a mesh)."""
+    if self.mesh is None:
+      return None, None
+    r, s1, s2 = self.sharding("replicated"), self.sharding("slots"), self.sharding("slots2")
+    pages = PageState(page_table=s2, refcount=r, free_stack=r, num_free=r)
+    slots = SlotState(*([s1] * 7), tokens=s2, logprobs=s2)
+    return pages, slots
+
+  def empty_pool(self, num_pages: int) -> KVPool:
+    m = self.model
+    shape = (m.num_layers, m.num_kv_heads, num_pages, self.config.page_size, m.head_dim)
+    zeros = jnp.zeros(shape, self.page_dtype, device=self.pool_sharding())
+    return KVPool(zeros, jnp.zeros(shape, self.page_dtype, device=self.pool_sharding()))
+
+  # --------------------------------------------------------------------------------------
+  # Attention pieces.
+
+  def _paged_attention(self, q, k_pages, v_pages, lengths, page_table, k_scale, v_scale):
+    """`paged_attention` on the slots (under a mesh: per shard, local slots and KV heads)."""
+    impl = self.config.attention_impl
+
+    def attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale):
+      return kernels_pallas.paged_attention(
+        q, k_pages, v_pages, lengths, page_table, k_scale=k_scale, v_scale=v_scale, impl=impl
+      )
+
+    if self.mesh is None:
+      return attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale)
+    b, t = self._batch_axes, self._tensor_axis
+    pool = PartitionSpec(t)
+    return jax.shard_map(
+      attend,
+      mesh=self.mesh,
+      in_specs=(
+        PartitionSpec(b, t),
+        pool,
+        pool,
+        PartitionSpec(b),
+        PartitionSpec(b),
+        PartitionSpec(t),
+        PartitionSpec(t),
+      ),  # fmt: skip
+      out_specs=PartitionSpec(b, t),
+      check_vma=False,
+    )(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale)
+
+  def _chunk_attention(self, q, k_pages, v_pages, positions, end, page_table, k_scale, v_scale):
+    """Prefill attention of a chunk over its sequence's pages (chunk K/V already written).
+
+    q [B, C, H, D]; pages [Hkv, P, page, D]; positions i32[B, C] (absolute);
+    end i32[B] (positions < end are cached); page_table [B, pps]. Query c of row b
+    attends to cached positions <= positions[b, c], float32 softmax.
+    """
+    b, c, h, d = q.shape
+    hkv, total_pages, page_size, _ = k_pages.shape
+    group = h // hkv
+    table = jnp.clip(page_table, 0, total_pages - 1)
+    capacity = table.shape[1] * page_size
+    key_pos = jnp.arange(capacity, dtype=jnp.int32)
+    cached = key_pos[None, :] < end[:, None]  # [B, cap]
+
+    def gather(pages, scale):
+      x = pages[:, table].astype(jnp.float32).reshape(hkv, b, capacity, d)
+      x = x * scale[:, None, None, None]
+      return jnp.where(cached[None, :, :, None], x, 0.0)
+
+    k = gather(k_pages, k_scale)
+    v = gather(v_pages, v_scale)
+    qg = q.astype(jnp.float32).reshape(b, c, hkv, group, d)
+    hp = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bchgd,hbld->bhgcl", qg, k, precision=hp) * np.float32(1 / np.sqrt(d))
+    allowed = cached[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])  # [B, C, L]
+    scores = jnp.where(allowed[:, None, None], scores, _MASK)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgcl,hbld->bchgd", probs, v, precision=hp)
+    return out.reshape(b, c, h, d).astype(q.dtype)
+
+  # --------------------------------------------------------------------------------------
+  # Prefill.
+
+  def _prefill(self, params, pool, tokens, start, num_new, page_table, k_scale, v_scale):
+    """Writes the K/V of a chunk of tokens per row into the pool (no logits).
+
+    tokens i32[B, C]: row b holds tokens at positions start[b] + [0, num_new[b]);
+    page_table i32[B, pps]: the row's pages (allocated for those positions).
+    Rows with num_new = 0 are padding (nothing written).
+    """
+    model = self.model
+    c = tokens.shape[1]
+    positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    end = start + num_new
+
+    def hook(i, q, k, v, pool, *, positions, segment_ids):
+      del segment_ids
+      ks, vs = k_scale[i], v_scale[i]
+      kp, vp = kernels_pallas.write_kv_pages(
+        pool.k, pool.v, k, v, start, page_table, num_new=num_new, k_scale=ks, v_scale=vs, layer=i
+      )
+      out = self._chunk_attention(q, kp[i], vp[i], positions, end, page_table, ks, vs)
+      return out, KVPool(self._constrain(kp, "pool"), self._constrain(vp, "pool"))
+
+    x = policy.embed(params, model, tokens)
+    _, pool = policy.layer_scan(params, model, x, positions, attention_fn=hook, cache=pool)
+    return pool
+
+  def _copy_pages(self, pool, src, dst):
+    """pool[:, :, dst[i]] = pool[:, :, src[i]] for every layer (dst = P: no-op row)."""
+    k = pool.k.at[:, :, dst].set(pool.k[:, :, jnp.clip(src, 0, pool.k.shape[2] - 1)], mode="drop")
+    v = pool.v.at[:, :, dst].set(pool.v[:, :, jnp.clip(src, 0, pool.v.shape[2] - 1)], mode="drop")
+    return KVPool(self._constrain(k, "pool"), self._constrain(v, "pool"))
+
+  # --------------------------------------------------------------------------------------
+  # Decode.
+
+  def _allocate(self, pages: PageState, slots: SlotState):
+    """Pops one page per slot whose next position starts a page; returns (pages, blocked)."""
+    page_size = self.config.page_size
+    num_pages = pages.refcount.shape[0]
+    num_slots, pps = pages.page_table.shape
+    need = slots.active & (slots.length % page_size == 0)
+    rank = jnp.cumsum(need.astype(jnp.int32)) - 1
+    ok = need & (rank < pages.num_free)
+    new_page = pages.free_stack[jnp.clip(pages.num_free - 1 - rank, 0, num_pages - 1)]
+    column = jnp.where(ok, slots.length // page_size, pps)  # pps: dropped
+    table = pages.page_table.at[jnp.arange(num_slots), column].set(new_page, mode="drop")
+    refcount = pages.refcount.at[jnp.where(ok, new_page, num_pages)].set(1, mode="drop")
+    num_free = pages.num_free - jnp.sum(ok.astype(jnp.int32))
+    return PageState(table, refcount, pages.free_stack, num_free), need & ~ok
+
+  def _release(self, pages: PageState, done, length):
+    """Drops the references of finished slots; pages reaching 0 go back on the free stack."""
+    page_size = self.config.page_size
+    num_pages = pages.refcount.shape[0]
+    pps = pages.page_table.shape[1]
+    used = jnp.arange(pps)[None, :] < ((length + page_size - 1) // page_size)[:, None]
+    drop = done[:, None] & used  # [S, pps]
+    index = jnp.where(drop, pages.page_table, num_pages)
+    refcount = pages.refcount.at[index].add(-1, mode="drop")
+    touched = jnp.zeros((num_pages,), bool).at[index].set(True, mode="drop")
+    freed = touched & (refcount == 0)
+    order = pages.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
+    free_stack = pages.free_stack.at[jnp.where(freed, order, num_pages)].set(
+      jnp.arange(num_pages, dtype=jnp.int32), mode="drop"
+    )
+    num_free = pages.num_free + jnp.sum(freed.astype(jnp.int32))
+    return PageState(pages.page_table, refcount, free_stack, num_free)
+
+  def _step(self, params, pool, pages, slots, rng, k_scale, v_scale, allocate):
+    """One decode step for all slots; returns (pool, pages, slots, blocked, done)."""
+    cfg, model = self.config, self.model
+    if allocate:
+      pages, blocked = self._allocate(pages, slots)
+    else:
+      blocked = jnp.zeros_like(slots.active)
+    run = slots.active & ~blocked
+    length = slots.length
+    table = pages.page_table
+    attend_len = jnp.where(run, length + 1, 0).astype(jnp.int32)
+
+    def hook(i, q, k, v, pool, *, positions, segment_ids):
+      del positions, segment_ids
+      ks, vs = k_scale[i], v_scale[i]
+      kp, vp = kernels_pallas.write_kv_pages(
+        pool.k, pool.v, k[:, 0], v[:, 0], length, table, num_new=run.astype(jnp.int32),
+        k_scale=ks, v_scale=vs, layer=i,
+      )  # fmt: skip
+      kp, vp = self._constrain(kp, "pool"), self._constrain(vp, "pool")
+      q = self._constrain(q[:, 0], "q")
+      out = self._paged_attention(q, kp[i], vp[i], attend_len, table, ks, vs)
+      return out[:, None], KVPool(kp, vp)
+
+    x = policy.embed(params, model, slots.last_token[:, None])
+    x, pool = policy.layer_scan(params, model, x, length[:, None], attention_fn=hook, cache=pool)
+    hidden = policy.final_norm(params, model, x[:, 0])
+    logits = policy.logits_from_hidden(params, model, hidden)  # f32[S, V]
+    keys = sample_keys(rng, slots.prompt_index, slots.sample_index, slots.num_generated)
+    token, logp = sample_tokens(
+      logits, keys, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p
+    )
+    m = slots.tokens.shape[1]
+    rows = jnp.arange(token.shape[0])
+    column = jnp.where(run, slots.num_generated, m)  # m: dropped
+    tokens = slots.tokens.at[rows, column].set(token, mode="drop")
+    logprobs = slots.logprobs.at[rows, column].set(logp, mode="drop")
+    step = run.astype(jnp.int32)
+    num_generated = slots.num_generated + step
+    length = length + step
+    stop = jnp.zeros_like(run)
+    if self.stop_ids.size:
+      stop = run & jnp.isin(token, jnp.asarray(self.stop_ids))
+    done = run & (stop | (num_generated >= m))
+    slots = SlotState(
+      active=slots.active & ~done,
+      length=length,
+      last_token=jnp.where(run, token, slots.last_token),
+      num_generated=num_generated,
+      prompt_index=slots.prompt_index,
+      sample_index=slots.sample_index,
+      stopped=slots.stopped | stop,
+      tokens=tokens,
+      logprobs=logprobs,
+    )
+    if allocate:
+      pages = self._release(pages, done, length)
+    return pool, pages, slots, blocked, done
+
+  def _decode_loop(
+    self, params, pool, pages, slots, rng, k_scale, v_scale, exit_after, *, max_steps, allocate
+  ):
+    """Up to `max_steps` decode steps in one `lax.while_loop`.
+
+    Stops early when no slot is active, when a slot is blocked (no free page),
+    or when `exit_after` (traced i32) slots have finished in this window.
+    """
+    num_slots = slots.active.shape[0]
+    num_pages = pages.refcount.shape[0]
+
+    def cond(carry):
+      _, _, slots, step, blocked, finished, _ = carry
+      return (
+        (step < max_steps) & jnp.any(slots.active) & ~jnp.any(blocked) & (finished < exit_after)
+      )
+
+    def body(carry):
+      pool, pages, slots, step, _, finished, peak = carry
+      pool, pages, slots, blocked, done = self._step(
+        params, pool, pages, slots, rng, k_scale, v_scale, allocate
+      )
+      finished = finished + jnp.sum(done.astype(jnp.int32))
+      peak = jnp.maximum(peak, num_pages - pages.num_free)
+      return pool, pages, slots, step + 1, blocked, finished, peak
+
+    carry = (pool, pages, slots, jnp.int32(0), jnp.zeros((num_slots,), bool), jnp.int32(0),
+             num_pages - pages.num_free)  # fmt: skip
+    pool, pages, slots, steps, blocked, _, peak = jax.lax.while_loop(cond, body, carry)
+    return pool, pages, slots, LoopInfo(steps, blocked, peak)

@@ -1,0 +1,629 @@
+"""`Sampler`: continuous-batching generation from a paged KV cache, plus a pure jittable path.
+
+Host scheduling (between device windows of up to `steps_per_sync` decode steps;
+see `rlx.sampling._engine` for the device side), in the spirit of vLLM's
+scheduler (Kwon et al. 2023, https://arxiv.org/abs/2309.06180):
+
+- Queue: requests (prompt i, sample j) in prompt-major order, FIFO; a
+  preempted request goes back to the FRONT with its tokens kept.
+- Admission (every scheduling point with continuous batching; only when all
+  slots are idle with static batching): the queue head gets a free slot if
+  its pages fit next to a reserve of the pages the running slots will need in
+  the next window (no reserve when nothing runs), so admission rarely causes
+  a preemption.
+- Prefix sharing: the first admitted sample of prompt i prefills the prompt
+  (all but its last token) once into pages held by a "prompt holder"; every
+  sample of the prompt references the full pages (reference counts) and gets
+  its own copy of the partly filled last page (the last sibling admitted takes
+  the holder's page itself, so G = 1 copies nothing). The holder drops its
+  references once all G samples were admitted.
+- Preemption: when a slot finds no free page the window ends early; the host
+  preempts the NEWEST running sequence (the one admitted last) until the
+  blocked slots fit, and re-queues it with its prompt, tokens and log-probs;
+  on re-admission its KV is recomputed by prefill (no sharing). A sequence
+  never changes a token because of this (same per-sample keys, same
+  positions; only float rounding of recomputed K/V differs).
+- Prefill: chunked, `prefill_chunk` tokens per row per call, rows padded to
+  a power of two <= max_slots; so prefill compiles at most
+  `1 + ceil(log2(max_slots))` times per sampler, whatever the prompt lengths.
+  The decode loop compiles once per sampler (fixed shapes; every count,
+  threshold and scale is a traced argument).
+"""
+
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from rlx import policy
+from rlx.sampling._config import SamplerConfig
+from rlx.sampling._engine import Engine, PageState, SlotState, empty_slots
+
+
+class Completions(NamedTuple):
+  """Generated samples; rows are prompt-major (row i * num_samples + j = sample j of prompt i).
+
+  Attributes:
+    tokens: i32[N, max_new_tokens], right-padded with 0 (a stop token is kept).
+    logprobs: f32[N, max_new_tokens], `log softmax(logits / T)[token]` over the
+      full vocabulary (greedy: T = 1); 0 on padding.
+    lengths: i32[N], generated tokens per row.
+    finish_reason: per row "stop" (emitted a stop token) or "length".
+    prompt_index: i32[N], the prompt each row answers.
+    stats: tokens_per_s, generated_tokens, decode_steps, preemptions,
+      peak_pages_used, num_pages, prefill_tokens, prefill_calls, syncs, wall_s.
+  """
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  lengths: np.ndarray
+  finish_reason: tuple[str, ...]
+  prompt_index: np.ndarray
+  stats: dict[str, float]
+
+
+@dataclasses.dataclass
+class _Request:
+  row: int
+  prompt_index: int
+  sample_index: int
+  prompt: np.ndarray
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  started: bool = False  # admitted at least once (a re-admission recomputes all its KV)
+  private: bool = False  # prefill its own prompt pages (no sharing)
+  finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Holder:
+  pages: list  # prompt pages, full ones first, then the partial one (if any)
+  num_full: int
+  remaining: int  # samples of the prompt not admitted yet
+
+
+class _Pages:
+  """Host copy of the page state between windows (edited at scheduling points)."""
+
+  def __init__(self, state: PageState):
+    self.table = np.array(state.page_table)
+    self.refcount = np.array(state.refcount)
+    self.free_stack = np.array(state.free_stack)
+    self.num_free = int(state.num_free)
+
+  def pop(self, n: int) -> list:
+    if n > self.num_free:
+      raise RuntimeError(f"internal: popping {n} pages with {self.num_free} free")
+    pages = [int(p) for p in self.free_stack[self.num_free - n : self.num_free][::-1]]
+    self.num_free -= n
+    self.refcount[pages] = 1
+    return pages
+
+  def incref(self, pages):
+    for p in pages:
+      self.refcount[p] += 1
+
+  def decref(self, pages):
+    for p in pages:
+      self.refcount[p] -= 1
+      if self.refcount[p] == 0:
+        self.free_stack[self.num_free] = p
+        self.num_free += 1
+
+  def state(self) -> PageState:
+    return PageState(self.table, self.refcount, self.free_stack, np.int32(self.num_free))
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+class Sampler:
+  """Jitted paged-KV sampler with continuous batching (module docstring).
+
+  Args:
+    model_config: the policy's `rlx.policy.ModelConfig`.
+    config: a `SamplerConfig`.
+    mesh: optional `rlx.train.make_mesh` mesh: slots are split over the batch
+      axes ("data", "fsdp"), KV heads over "tensor"; params may be passed
+      sharded as the train state holds them (no host copy).
+
+  Raises:
+    ValueError: bad config (stop ids outside the vocabulary, slots not divisible
+      by the mesh's batch axes, ...).
+  """
+
+  def __init__(
+    self, model_config: policy.ModelConfig, config: SamplerConfig, mesh: Mesh | None = None
+  ):
+    if not isinstance(model_config, policy.ModelConfig):
+      raise ValueError(
+        f"`model_config` must be an rlx.policy.ModelConfig, got {type(model_config).__name__}."
+      )
+    if not isinstance(config, SamplerConfig):
+      raise ValueError(f"`config` must be a SamplerConfig, got {type(config).__name__}.")
+    bad = [s for s in config.stop_token_ids if s >= model_config.vocab_size]
+    if bad:
+      raise ValueError(
+        f"`stop_token_ids` {bad} are outside the vocabulary [0, {model_config.vocab_size})."
+      )
+    if mesh is not None:
+      if not isinstance(mesh, Mesh):
+        raise ValueError(f"`mesh` must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
+      from rlx.train import BATCH_AXES
+
+      shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
+      if config.max_slots % shards:
+        raise ValueError(
+          f"`max_slots`={config.max_slots} must be divisible by the mesh's batch axes "
+          f"{BATCH_AXES} (size {shards})."
+        )
+    self.model_config = model_config
+    self.config = config
+    self.mesh = mesh
+    self._engine = Engine(model_config, config, mesh)
+
+  # --------------------------------------------------------------------------------------
+  # Validation.
+
+  def _check_params(self, params):
+    policy.check_params(params, self.model_config)
+
+  def _kv_scales(self, kv_scales):
+    """(k_scale, v_scale) as f32[L, Hkv] arrays."""
+    m = self.model_config
+    shape = (m.num_layers, m.num_kv_heads)
+    fp8 = jnp.dtype(self._engine.page_dtype).itemsize == 1
+    if kv_scales is None:
+      if fp8:
+        raise ValueError(
+          f"`kv_scales` (k_scale, v_scale) are required for kv_dtype={self.config.kv_dtype!r}: "
+          "K = page * k_scale (e.g. rlx.policy.kv_absmax(...) / headroom)."
+        )
+      ones = jnp.ones(shape, jnp.float32)
+      return ones, ones
+    if not isinstance(kv_scales, tuple | list) or len(kv_scales) != 2:
+      raise ValueError("`kv_scales` must be a pair (k_scale, v_scale) of float arrays.")
+    out = []
+    for name, s in zip(("k_scale", "v_scale"), kv_scales, strict=True):
+      s = jnp.asarray(s)
+      if not jnp.issubdtype(s.dtype, jnp.floating):
+        raise ValueError(f"`kv_scales` {name} must be a float array, got {s.dtype}.")
+      if s.shape == (m.num_layers,):
+        s = s[:, None]
+      elif s.shape not in ((), shape):
+        raise ValueError(
+          f"`kv_scales` {name} must be a scalar, [L={m.num_layers}] or [L, Hkv]={shape}, "
+          f"got shape {s.shape}."
+        )
+      out.append(jnp.broadcast_to(s.astype(jnp.float32), shape))
+    return tuple(out)
+
+  def _check_prompts(self, prompts) -> list:
+    if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
+      prompts = list(np.asarray(prompts))
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not len(prompts):
+      raise ValueError("`prompts` must be a non-empty list of token-id lists.")
+    vocab, cap = self.model_config.vocab_size, self.config.max_prompt_len
+    out = []
+    for i, p in enumerate(prompts):
+      arr = np.asarray(p)
+      if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"`prompts[{i}]` must be a 1-D list of int token ids, got {p!r:.80}.")
+      if arr.size == 0:
+        raise ValueError(f"`prompts[{i}]` is empty (a prompt needs at least one token).")
+      if arr.size > cap:
+        raise ValueError(f"`prompts[{i}]` has {arr.size} tokens > max_prompt_len={cap}.")
+      if arr.min() < 0 or arr.max() >= vocab:
+        bad = int(arr.max() if arr.max() >= vocab else arr.min())
+        raise ValueError(f"`prompts[{i}]` contains token id {bad} outside [0, vocab_size={vocab}).")
+      out.append(arr.astype(np.int32))
+    return out
+
+  @staticmethod
+  def _check_num_samples(num_samples):
+    if not isinstance(num_samples, int | np.integer) or isinstance(num_samples, bool):
+      raise ValueError(f"`num_samples` must be an int >= 1, got {num_samples!r}.")
+    if num_samples < 1:
+      raise ValueError(f"`num_samples` must be >= 1, got {num_samples}.")
+    return int(num_samples)
+
+  @staticmethod
+  def _check_rng(rng):
+    if not isinstance(rng, jax.Array | np.ndarray):
+      raise ValueError(f"`rng` must be a jax.random key, got {type(rng).__name__}.")
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if not (typed and rng.shape == ()) and not (rng.dtype == np.uint32 and rng.shape == (2,)):
+      raise ValueError(
+        f"`rng` must be a single key (jax.random.key or PRNGKey), got {rng.dtype}{rng.shape}."
+      )
+    return rng
+
+  # --------------------------------------------------------------------------------------
+  # generate.
+
+  def generate(
+    self,
+    params: policy.Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    num_samples: int = 1,
+    rng: jax.Array,
+    kv_scales: tuple[Any, Any] | None = None,
+  ) -> Completions:
+    """Samples `num_samples` completions of every prompt.
+
+    Args:
+      params: the policy params (host or device arrays, sharded or not; e.g.
+        `train_state.params` as is).
+      prompts: a list of token-id lists (ragged), each 1..max_prompt_len long.
+      num_samples: G >= 1 samples per prompt.
+      rng: a `jax.random` key; sample j of prompt i uses
+        `fold_in(fold_in(fold_in(rng, i), j), t)` for its t-th token.
+      kv_scales: optional (k_scale, v_scale) float arrays, scalar / [L] /
+        [L, Hkv] (K = page * k_scale); required for FP8 KV. Traced: changing
+        them does not recompile.
+
+    Returns:
+      `Completions`, N = len(prompts) * num_samples rows, prompt-major.
+    """
+    cfg, eng = self.config, self._engine
+    prompts = self._check_prompts(prompts)
+    num_samples = self._check_num_samples(num_samples)
+    rng = self._check_rng(rng)
+    self._check_params(params)
+    k_scale, v_scale = self._kv_scales(kv_scales)
+    t0 = time.perf_counter()
+    S, M, P, page = cfg.max_slots, cfg.max_new_tokens, cfg.num_pages, cfg.page_size
+
+    requests = [
+      _Request(i * num_samples + j, i, j, p) for i, p in enumerate(prompts)
+      for j in range(num_samples)
+    ]  # fmt: skip
+    queue = collections.deque(requests)
+    holders: dict[int, _Holder] = {}
+    slot_req: list[_Request | None] = [None] * S
+    admitted_at = np.zeros(S, np.int64)
+    clock = 0
+    slots = empty_slots(S, M)
+    pages = _Pages(
+      PageState(
+        np.zeros((S, eng.pages_per_sequence), np.int32),
+        np.zeros(P, np.int32),
+        np.arange(P, dtype=np.int32),
+        np.int32(P),
+      )
+    )
+    pool = eng.empty_pool(P)
+    stats = collections.Counter()
+    peak = 0
+    page_sh, slot_sh = eng.state_shardings()
+
+    def put(tree, shardings):
+      if shardings is None:
+        return jax.device_put(tree)
+      return jax.device_put(tree, shardings)
+
+    def growth(s: int) -> int:
+      w = min(cfg.steps_per_sync, M - int(slots.num_generated[s]))
+      n = int(slots.length[s])
+      return -(-(n + w) // page) - (-(-n // page))
+
+    def release_slot(s: int):
+      n = int(slots.length[s])
+      pages.decref([int(p) for p in pages.table[s, : -(-n // page)]])
+      pages.table[s] = 0
+      slots.active[s] = False
+      slot_req[s] = None
+
+    def drop_holders():
+      for h in holders.values():
+        pages.decref(h.pages)
+      holders.clear()
+
+    def admit():
+      nonlocal clock
+      free_slots = [s for s in range(S) if slot_req[s] is None]
+      prefill_rows = []  # (tokens to prefill, page list)
+      copies = []  # (src page, dst page)
+      while free_slots and queue:
+        req = queue[0]
+        running = any(r is not None for r in slot_req)
+        reserve = sum(growth(s) for s in range(S) if slot_req[s] is not None)
+        n = req.prompt.size
+        holder = holders.get(req.prompt_index) if not req.started else None
+        siblings = 0
+        if req.started or req.private:
+          seq = np.concatenate([req.prompt, np.asarray(req.tokens, np.int32)])
+          m = seq.size - 1
+          need = -(-m // page)
+        elif holder is not None:
+          m = n - 1
+          need = 1 if (m % page and holder.remaining > 1) else 0
+        else:
+          m = n - 1
+          siblings = sum(1 for r in queue if r.prompt_index == req.prompt_index and not r.started)
+          need = -(-m // page) + (1 if (m % page and siblings > 1) else 0)
+        if need > pages.num_free - (reserve if running else 0):
+          if not running and holders:
+            drop_holders()  # held prompt pages must not starve the queue head
+            continue
+          if not running and not req.started and not req.private:
+            req.private = True  # too tight to keep a shared copy: prefill its own pages
+            continue
+          break
+        queue.popleft()
+        s = free_slots.pop(0)
+        if req.started or req.private:
+          own = pages.pop(need)
+          prefill_rows.append((seq[:m], own))
+          last = int(seq[-1])
+        else:
+          if holder is None:
+            holder = _Holder(pages.pop(-(-m // page)), m // page, siblings)
+            holders[req.prompt_index] = holder
+            prefill_rows.append((req.prompt[:m], holder.pages))
+          holder.remaining -= 1
+          full = holder.pages[: holder.num_full]
+          pages.incref(full)
+          own = list(full)
+          if m % page:
+            partial = holder.pages[holder.num_full]
+            if holder.remaining == 0:
+              pages.incref([partial])  # the holder's reference is dropped below
+              own.append(partial)
+            else:
+              dst = pages.pop(1)[0]
+              copies.append((partial, dst))
+              own.append(dst)
+          if holder.remaining == 0:
+            pages.decref(holder.pages)
+            del holders[req.prompt_index]
+          last = int(req.prompt[-1])
+        req.started = True
+        g = len(req.tokens)
+        slot_req[s] = req
+        clock += 1
+        admitted_at[s] = clock
+        pages.table[s] = 0
+        pages.table[s, : len(own)] = own
+        slots.active[s] = True
+        slots.length[s] = m
+        slots.last_token[s] = last
+        slots.num_generated[s] = g
+        slots.prompt_index[s] = req.prompt_index
+        slots.sample_index[s] = req.sample_index
+        slots.stopped[s] = False
+        slots.tokens[s] = 0
+        slots.tokens[s, :g] = req.tokens
+        slots.logprobs[s] = 0
+        slots.logprobs[s, :g] = req.logprobs
+      return prefill_rows, copies
+
+    def run_prefill(rows, pool):
+      chunk = cfg.prefill_chunk
+      rows = sorted((r for r in rows if len(r[0])), key=lambda r: -len(r[0]))
+      c = 0
+      while rows and len(rows[0][0]) > c * chunk:
+        live = [r for r in rows if len(r[0]) > c * chunk]
+        b = min(_next_pow2(len(live)), _next_pow2(S))
+        tokens = np.zeros((b, chunk), np.int32)
+        start = np.full((b,), c * chunk, np.int32)
+        num_new = np.zeros((b,), np.int32)
+        table = np.zeros((b, eng.pages_per_sequence), np.int32)
+        for r, (seq, own) in enumerate(live):
+          piece = seq[c * chunk : (c + 1) * chunk]
+          tokens[r, : piece.size] = piece
+          num_new[r] = piece.size
+          table[r, : len(own)] = own
+        pool = eng.prefill(params, pool, tokens, start, num_new, table, k_scale, v_scale)
+        stats["prefill_calls"] += 1
+        stats["prefill_tokens"] += int(num_new.sum())
+        c += 1
+      return pool
+
+    while True:
+      if cfg.continuous_batching or not any(r is not None for r in slot_req):
+        rows, copies = admit()
+        pool = run_prefill(rows, pool)
+        if copies:
+          src = np.full((S,), 0, np.int32)
+          dst = np.full((S,), P, np.int32)  # P: dropped
+          for i, (a, b) in enumerate(copies):
+            src[i], dst[i] = a, b
+          pool = eng.copy_pages(pool, src, dst)
+      peak = max(peak, P - pages.num_free)
+      if not any(r is not None for r in slot_req):
+        if queue:
+          raise RuntimeError("internal: nothing runs and the queue head does not fit")
+        break
+      exit_after = S + 1
+      if cfg.continuous_batching and queue:
+        exit_after = min(len(queue), max(1, S // 8))
+      dev_pages, dev_slots = put(pages.state(), page_sh), put(slots, slot_sh)
+      pool, dev_pages, dev_slots, info = eng.decode(
+        params, pool, dev_pages, dev_slots, rng, k_scale, v_scale, np.int32(exit_after),
+        max_steps=cfg.steps_per_sync, allocate=True,
+      )  # fmt: skip
+      new_pages, new_slots, info = jax.device_get((dev_pages, dev_slots, info))
+      pages = _Pages(new_pages)
+      slots = SlotState(*(np.array(x) for x in new_slots))
+      stats["decode_steps"] += int(info.steps)
+      stats["syncs"] += 1
+      peak = max(peak, int(info.peak_pages))
+      for s in range(S):
+        req = slot_req[s]
+        if req is not None and not slots.active[s]:
+          g = int(slots.num_generated[s])
+          req.tokens = slots.tokens[s, :g].tolist()
+          req.logprobs = slots.logprobs[s, :g].tolist()
+          req.finish_reason = "stop" if slots.stopped[s] else "length"
+          slot_req[s] = None  # pages were released on device
+          pages.table[s] = 0
+      blocked = [s for s in range(S) if info.blocked[s] and slot_req[s] is not None]
+      while blocked and len(blocked) > pages.num_free:
+        s = max((s for s in range(S) if slot_req[s] is not None), key=lambda s: admitted_at[s])
+        req = slot_req[s]
+        g = int(slots.num_generated[s])
+        req.tokens = slots.tokens[s, :g].tolist()
+        req.logprobs = slots.logprobs[s, :g].tolist()
+        release_slot(s)
+        queue.appendleft(req)
+        stats["preemptions"] += 1
+        blocked = [b for b in blocked if b != s]
+    drop_holders()
+
+    wall = time.perf_counter() - t0
+    n = len(requests)
+    tokens = np.zeros((n, M), np.int32)
+    logprobs = np.zeros((n, M), np.float32)
+    lengths = np.zeros((n,), np.int32)
+    for r in requests:
+      g = len(r.tokens)
+      tokens[r.row, :g] = r.tokens
+      logprobs[r.row, :g] = r.logprobs
+      lengths[r.row] = g
+    generated = int(lengths.sum())
+    out_stats = {
+      "tokens_per_s": generated / wall if wall > 0 else float("inf"),
+      "generated_tokens": generated,
+      "decode_steps": int(stats["decode_steps"]),
+      "preemptions": int(stats["preemptions"]),
+      "peak_pages_used": int(peak),
+      "num_pages": P,
+      "pages_in_use_at_end": int(P - pages.num_free),
+      "prefill_tokens": int(stats["prefill_tokens"]),
+      "prefill_calls": int(stats["prefill_calls"]),
+      "syncs": int(stats["syncs"]),
+      "wall_s": wall,
+    }
+    return Completions(
+      tokens=tokens,
+      logprobs=logprobs,
+      lengths=lengths,
+      finish_reason=tuple(r.finish_reason for r in requests),
+      prompt_index=np.asarray([r.prompt_index for r in requests], np.int32),
+      stats=out_stats,
+    )
+
+  # --------------------------------------------------------------------------------------
+  # Pure jittable path.
+
+  def generate_fn(
+    self,
+    params: policy.Params,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    rng: jax.Array,
+    *,
+    num_samples: int = 1,
+    kv_scales: tuple[Any, Any] | None = None,
+  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Pure, traceable generation of a batch that fits in the slots at once (no host).
+
+    Row r answers prompt `r // num_samples` as its sample `r % num_samples`
+    (prompt-major, like `generate`), with the same per-sample keys, so
+    `generate_fn(params, jnp.repeat(P, G, 0), jnp.repeat(L, G), rng,
+    num_samples=G)` returns the tokens of `generate(params, prompts, num_samples=G,
+    rng=rng)` (equal up to float rounding: a different batch shape may round a
+    logit differently, which changes a token only at an exact near-tie). Each
+    row gets its own `pages_per_sequence` pages (no sharing, no preemption),
+    prefill runs in `prefill_chunk` chunks, decode is one `lax.while_loop` of
+    up to `max_new_tokens` steps. Usable inside another `jax.jit`.
+
+    Args:
+      params: the policy params.
+      prompt_tokens: i32[N, T] left-aligned prompts, T <= max_prompt_len.
+      prompt_lengths: i32[N], each in [1, T] (traced values are clipped into it).
+      rng: a `jax.random` key.
+      num_samples: static G; N must be a multiple of it.
+      kv_scales: as in `generate`.
+
+    Returns:
+      (tokens i32[N, max_new_tokens] right-padded with 0, logprobs
+      f32[N, max_new_tokens] (0 on padding), lengths i32[N], stopped bool[N]
+      (True: ended with a stop token, False: hit max_new_tokens)).
+
+    Raises:
+      ValueError (statically): N > max_slots, N * pages_per_sequence > num_pages,
+      T > max_prompt_len, bad shapes/dtypes.
+    """
+    cfg, eng = self.config, self._engine
+    num_samples = self._check_num_samples(num_samples)
+    if np.ndim(prompt_tokens) != 2 or not jnp.issubdtype(
+      jnp.result_type(prompt_tokens), jnp.integer
+    ):
+      raise ValueError(
+        f"`prompt_tokens` must be an integer [N, T] array, got "
+        f"{jnp.result_type(prompt_tokens)}{np.shape(prompt_tokens)}."
+      )
+    n, t = np.shape(prompt_tokens)
+    if np.shape(prompt_lengths) != (n,) or not jnp.issubdtype(
+      jnp.result_type(prompt_lengths), jnp.integer
+    ):
+      raise ValueError(
+        f"`prompt_lengths` must be an integer [{n}] array, got "
+        f"{jnp.result_type(prompt_lengths)}{np.shape(prompt_lengths)}."
+      )
+    if n < 1 or t < 1:
+      raise ValueError(f"`prompt_tokens` must be non-empty, got shape {(n, t)}.")
+    if t > cfg.max_prompt_len:
+      raise ValueError(f"`prompt_tokens` has T={t} > max_prompt_len={cfg.max_prompt_len}.")
+    if n > cfg.max_slots:
+      raise ValueError(f"generate_fn needs N={n} <= max_slots={cfg.max_slots}.")
+    pps = eng.pages_per_sequence
+    if n * pps > cfg.num_pages:
+      raise ValueError(
+        f"generate_fn needs N * pages_per_sequence = {n} * {pps} = {n * pps} pages <= "
+        f"num_pages={cfg.num_pages}."
+      )
+    if n % num_samples:
+      raise ValueError(f"N={n} rows must be a multiple of num_samples={num_samples}.")
+    self._check_rng(rng) if not isinstance(rng, jax.core.Tracer) else None
+    self._check_params(params)
+    if not isinstance(prompt_tokens, jax.core.Tracer):
+      policy.check_tokens(prompt_tokens, self.model_config.vocab_size, "prompt_tokens")
+    k_scale, v_scale = self._kv_scales(kv_scales)
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    lengths = jnp.clip(jnp.asarray(prompt_lengths, jnp.int32), 1, t)
+    m = lengths - 1  # tokens prefilled; the last prompt token is fed to decode
+    pool = eng.empty_pool(n * pps)
+    table = jnp.arange(n * pps, dtype=jnp.int32).reshape(n, pps)
+    chunk = cfg.prefill_chunk
+    for c in range(math.ceil((t - 1) / chunk)):
+      piece = prompt_tokens[:, c * chunk : (c + 1) * chunk]
+      piece = jnp.pad(piece, ((0, 0), (0, chunk - piece.shape[1])))
+      start = jnp.full((n,), c * chunk, jnp.int32)
+      num_new = jnp.clip(m - c * chunk, 0, chunk)
+      pool = eng._prefill(params, pool, piece, start, num_new, table, k_scale, v_scale)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    M = cfg.max_new_tokens
+    slots = SlotState(
+      active=jnp.ones((n,), bool),
+      length=m,
+      last_token=jnp.take_along_axis(prompt_tokens, m[:, None], axis=1)[:, 0],
+      num_generated=jnp.zeros((n,), jnp.int32),
+      prompt_index=rows // num_samples,
+      sample_index=rows % num_samples,
+      stopped=jnp.zeros((n,), bool),
+      tokens=jnp.zeros((n, M), jnp.int32),
+      logprobs=jnp.zeros((n, M), jnp.float32),
+    )
+    pages = PageState(
+      page_table=table,
+      refcount=jnp.ones((n * pps,), jnp.int32),
+      free_stack=jnp.zeros((n * pps,), jnp.int32),
+      num_free=jnp.int32(0),
+    )
+    _, _, slots, _ = eng._decode_loop(
+      params, pool, pages, slots, rng, k_scale, v_scale, jnp.int32(n + 1), max_steps=M,
+      allocate=False,
+    )  # fmt: skip
+    return slots.tokens, slots.logprobs, slots.num_generated, slots.stopped
