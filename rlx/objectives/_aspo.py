@@ -64,8 +64,8 @@ def aspo_loss(
     soft dual clip where `r > c`: `L = -A c exp(lp - sg(lp))`, whose gradient
     `-A c grad lp` survives (capped weight c instead of r).
   - `L = L * sg(is_weights)`, `loss = aggregate(L, mask, agg)`.
-  Seed "ASPO: Asymmetric Importance Sampling Policy Optimization"
-  (https://arxiv.org/abs/2510.06062); reference Archer2.0
+  "ASPO: Asymmetric Importance Sampling Policy Optimization",
+  https://arxiv.org/abs/2510.06062; reference Archer2.0
   `compute_policy_loss_archer` (`negative_clip_ratio_c = positive_clip_ratio_c
   = 3`, entropy quantile 0.8 per sequence). Deviation: beyond either dual clip
   the reference's value is `-A sg(c) lp`; rlx uses `-A c exp(lp - sg(lp))`,

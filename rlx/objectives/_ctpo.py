@@ -24,8 +24,9 @@ from rlx.objectives._policy_inputs import (
 from rlx.objectives._ratios import masked_log_ratio
 
 CTPO_VARIANTS = ("cumprod", "geomean")
-# Default position power per variant (REFERENCE.md): the cumulative product's
-# window widens with position, the geometric mean's narrows.
+# Default position power per variant: the cumulative product's window widens
+# with position (the sqrt(t) growth of the cumulative log-ratio), the geometric
+# mean's narrows (its 1/sqrt(t) shrinkage).
 _DEFAULT_POSITION_POWER = {"cumprod": 0.5, "geomean": -0.5}
 # Upper cap on the log cumulative ratio before exp (as for GSPO).
 _MAX_LOG_CUMULATIVE_RATIO = 10.0
@@ -93,8 +94,11 @@ def ctpo_loss(
     L_t     = min(L_t, -A exp(dual_clip * scale_t))   for A < 0 (if dual_clip)
     loss    = aggregate(L * sg(is_weights), mask, agg)
   The cumulative ratio is an unbiased prefix correction for each token's
-  gradient term with lower variance than the full-sequence ratio. Seed paper
-  "Cumulative Token Policy Optimization"; reference repo horizon-llm/CTPO.
+  gradient term with lower variance than the full-sequence ratio. Zhang et
+  al. 2026, "Rethinking Importance Sampling in LLM Policy Optimization: A
+  Cumulative Token Perspective", https://arxiv.org/abs/2605.07331; code
+  https://github.com/horizon-llm/CTPO (`cum-token-cumprod-la` in its verl
+  `core_algos.py`).
 
   Args:
     logp: current-policy log-probs (differentiated), with shape `[B, T]`.

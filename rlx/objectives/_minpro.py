@@ -40,8 +40,9 @@ def minpro_loss(
     L_t     = P_t * max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))
     L_t     = P_t * min(max(...), -A c)                for A < 0, if `dual_clip` c
     loss    = aggregate(L * sg(is_weights), mask, agg)
-  Seed: "MinPRO" (minimum prefix ratio; described in its abstract, no public
-  code). The details the abstract leaves open are rlx's choices, exposed as
+  Lei, Cheng and Tao 2026, "A Step Back: Prefix Importance Ratio Stabilizes
+  Policy Optimization" (MinPRO), https://arxiv.org/abs/2601.22718; no public
+  code was found. The following details are rlx's choices, exposed as
   keywords:
   - `inclusive=False`: the prefix is strict (`j < t`), so the token's own ratio
     enters only once, through the clipped PPO term. `True` uses `j <= t`.

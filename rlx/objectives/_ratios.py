@@ -61,8 +61,10 @@ def cumulative_log_ratio(
 ) -> Float[Array, "B T"]:
   """Cumulative (prefix-inclusive) log-ratio `S_t = sum_{j<=t} m_j * delta_j`.
 
-  `exp(S_t)` is the cumulative token ratio `prod_{j<=t} r_j` of CTPO
-  ("Cumulative Token Policy Optimization", reference repo horizon-llm/CTPO):
+  `exp(S_t)` is the cumulative token ratio `prod_{j<=t} r_j` of CTPO (Zhang et
+  al. 2026, "Rethinking Importance Sampling in LLM Policy Optimization: A
+  Cumulative Token Perspective", https://arxiv.org/abs/2605.07331; code
+  https://github.com/horizon-llm/CTPO):
   the prefix correction times the token's own ratio. Masked positions
   contribute 0 to the sum, so tokens after a masked span (tool output,
   observations) keep accumulating from where the last valid token left off.
@@ -126,7 +128,9 @@ def min_prefix_log_ratio(
   """Log of the minimum token ratio over the valid prefix: `min_{j<t, m_j=1} delta_j`.
 
   MinPRO's non-cumulative surrogate for the prefix ratio `prod_{j<t} r_j`
-  (seed "MinPRO", minimum prefix ratio; no public code). Ratios are
+  (Lei et al. 2026, "A Step Back: Prefix Importance Ratio Stabilizes Policy
+  Optimization", https://arxiv.org/abs/2601.22718; no public code was found).
+  Ratios are
   `exp(delta_j)` with the clamped token log-ratio `delta_j`.
 
   Args:

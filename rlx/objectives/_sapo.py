@@ -31,8 +31,9 @@ def sapo_loss(
     L_t  = -f(r) * A * sg(is_weights)
     loss = aggregate(L, mask, agg)
   `f'(1) = 1`, so on-policy the gradient is the plain policy gradient; far
-  from `r = 1` the gate's gradient decays smoothly instead of being cut. Qwen
-  team 2025, "Soft Adaptive Policy Optimization"; verl `compute_policy_loss_sapo`.
+  from `r = 1` the gate's gradient decays smoothly instead of being cut. Gao et
+  al. (Qwen team) 2025, "Soft Adaptive Policy Optimization",
+  https://arxiv.org/abs/2511.20347; verl `compute_policy_loss_sapo`.
 
   Args:
     logp: current-policy log-probs (differentiated), with shape `[B, T]`.

@@ -24,10 +24,10 @@ def vcpo_lr_factor(
   by scaling the updates; nothing here is differentiated.
 
   Reference: Huang et al. 2026, "Stable Asynchrony: Variance-Controlled
-  Off-Policy RL for LLMs" (VCPO), https://arxiv.org/abs/2602.17616, which
-  rescales the learning rate by the effective sample size; rlx implements
-  that step-size rule (not the paper's off-policy baseline). No public code
-  was found.
+  Off-Policy RL for LLMs" (VCPO), https://arxiv.org/abs/2602.17616, code
+  https://github.com/mit-han-lab/vcpo: ESS-guided step scaling
+  `lr_eff ~ sqrt(rho_ess)` for AdamW-style optimizers. rlx implements that
+  step-size rule, not the paper's closed-form off-policy baseline.
 
   Typical use, with the SAMPLED tokens' mask:
     w = sequence_importance_weights(old_logp, rollout_logp, mask)

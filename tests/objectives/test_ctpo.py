@@ -1,4 +1,4 @@
-"""CTPO's position-adaptive clip window (REFERENCE.md) and its valid-token position count."""
+"""CTPO's position-adaptive clip window and its valid-token position count."""
 
 import chex
 import jax
