@@ -1,10 +1,11 @@
-"""The embedded default task: multi-digit arithmetic with reversed-digit answers.
+"""The embedded default task: multi-digit arithmetic with reversed digits.
 
-A prompt is `"<bos>042+917="` and its target `"9590<eos>"`: 42 + 917 = 959,
-written with a fixed width (num_digits + 1 for a sum) and its digits reversed,
-least significant first. Character tokens (`rlx.policy.CharTokenizer` over
-"0123456789+-*=", 17 ids with the specials) keep the vocabulary tiny, and the
-reward is token exact match, in JAX as well as on the host.
+A prompt is `"<bos>240+719="` and its target `"9590<eos>"`: 42 + 917 = 959,
+every number written with a fixed width (num_digits for the operands,
+num_digits + 1 for a sum) and its digits reversed, least significant first.
+Character tokens (`rlx.policy.CharTokenizer` over "0123456789+-*=", 17 ids
+with the specials) keep the vocabulary tiny, and the reward is token exact
+match, in JAX as well as on the host.
 
 Why reversed and fixed-width: a causal model that writes the least
 significant digit first computes each output digit from the two operand
@@ -12,11 +13,17 @@ digits at that place and the carry of the digit it has just written; in the
 usual order the first digit it writes depends on the carries of every lower
 place, which it has not written yet. Small transformers learn addition from
 far fewer examples in reversed order (Lee et al., "Teaching Arithmetic to
-Small Transformers", 2023, https://arxiv.org/abs/2307.03381). Zero-padding the
-operands and the answer puts every digit at a fixed position, so a tiny model
-only needs fixed-offset attention (Shen et al., "Positional Description
-Matters for Transformers Arithmetic", 2023, https://arxiv.org/abs/2311.14737).
-Both are on by default and can be turned off.
+Small Transformers", 2023, https://arxiv.org/abs/2307.03381). Zero-padding
+puts every digit at a fixed position, and reversing the operands as well puts
+each answer digit at one fixed distance from the operand digits it needs, an
+offset that relative position encodings (RoPE) express directly (McLeish et
+al., "Transformers Can Do Arithmetic with the Right Embeddings", 2024,
+https://arxiv.org/abs/2405.17399, reverse operands and answers alike). In a
+supervised check (2-layer width-64 RoPE model, 100k parameters, Adam 1e-3,
+batch 64, 3-digit addition) dev exact match passed 30% after 900-1400 steps
+with reversed operands and after 3800 steps with operands in the usual order.
+All three choices are on by default and each can be turned off
+(`reverse_operands`, `reverse_answer`, `fixed_width`).
 
 Splits are drawn from one seeded stream in the order test, dev, train, so the
 held-out problems do not depend on `train_size`; no problem appears in two
@@ -49,6 +56,9 @@ class ArithmeticTask(Task):
     operations: a subset of ("+", "-", "*"), each problem draws one uniformly.
       Subtraction puts the larger operand first (answers are never negative).
     reverse_answer: write the answer least significant digit first.
+    reverse_operands: write the operands least significant digit first too
+      (then every answer digit sits at one fixed distance from its operand
+      digits, which suits relative position encodings such as RoPE).
     fixed_width: zero-pad operands to `num_digits` and the answer to its
       operation's width (digits + 1 for "+", digits for "-", 2 x digits for
       "*"); False writes numbers without leading zeros.
@@ -66,6 +76,7 @@ class ArithmeticTask(Task):
     num_digits: int = 3,
     operations: Sequence[str] = ("+",),
     reverse_answer: bool = True,
+    reverse_operands: bool = True,
     fixed_width: bool = True,
     train_size: int = 5000,
     dev_size: int = 200,
@@ -97,6 +108,7 @@ class ArithmeticTask(Task):
     self.num_digits = num_digits
     self.operations = operations
     self.reverse_answer = reverse_answer
+    self.reverse_operands = reverse_operands
     self.fixed_width = fixed_width
     self.seed = seed
     self.add_bos = add_bos
@@ -159,7 +171,10 @@ class ArithmeticTask(Task):
 
   def _example(self, op: str, a: int, b: int) -> Example:
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    prompt = f"{self._number(a, self.num_digits)}{op}{self._number(b, self.num_digits)}="
+    left, right = self._number(a, self.num_digits), self._number(b, self.num_digits)
+    if self.reverse_operands:
+      left, right = left[::-1], right[::-1]
+    prompt = f"{left}{op}{right}="
     answer = self._number(value, _answer_width(op, self.num_digits))
     if self.reverse_answer:
       answer = answer[::-1]

@@ -19,11 +19,13 @@ def _key(example):
   return (op, min(a, b), max(a, b))
 
 
-def _parse(prompt_text):
+def _parse(prompt_text, reversed_operands=True):
   assert prompt_text.endswith("=")
   for op in tasks.OPERATIONS:
     if op in prompt_text:
       a, b = prompt_text[:-1].split(op)
+      if reversed_operands:
+        a, b = a[::-1], b[::-1]
       return int(a), op, int(b)
   raise AssertionError(prompt_text)
 
@@ -54,7 +56,8 @@ def test_examples_are_reversed_fixed_width_sums():
   assert task.max_prompt_len == 9 and task.max_answer_len == 5
   for example in task.split("dev"):
     a, op, b = _parse(example.prompt_text)
-    assert op == "+" and len(example.prompt_text) == 8  # "042+917="
+    assert op == "+" and len(example.prompt_text) == 8  # "240+719=" for 42 + 917
+    assert example.prompt_text == f"{str(a).zfill(3)[::-1]}+{str(b).zfill(3)[::-1]}="
     assert example.answer == str(a + b).zfill(4)[::-1]
     assert example.prompt_ids == (tok.bos_id, *tok.encode(example.prompt_text))
     assert example.target_ids == (*tok.encode(example.answer), tok.eos_id)
@@ -81,10 +84,15 @@ def test_operations_widths_and_options():
     assert value >= 0 and example.answer == str(value).zfill(width)[::-1]
   assert seen == {"+", "-", "*"}
   plain = tasks.ArithmeticTask(
-    num_digits=2, reverse_answer=False, fixed_width=False, add_bos=False, train_size=50
+    num_digits=2,
+    reverse_answer=False,
+    reverse_operands=False,
+    fixed_width=False,
+    add_bos=False,
+    train_size=50,
   )
   for example in plain.split("train"):
-    a, op, b = _parse(example.prompt_text)
+    a, op, b = _parse(example.prompt_text, reversed_operands=False)
     assert example.prompt_text == f"{a}+{b}=" and example.answer == str(a + b)
     assert example.prompt_ids == tuple(plain.tokenizer.encode(example.prompt_text))
 
