@@ -9,7 +9,12 @@ Typical use (see `make_train_step` for the batch contract):
   compute_logprobs = rlx.train.make_compute_logprobs(model_config, config, mesh)
   batch = rlx.train.shard_batch(batch, mesh)
   batch["old_logp"] = compute_logprobs(state, batch)
-  state, metrics = train_step(state, batch)
+  state, metrics = train_step(state, batch)      # asynchronous dispatch
+  print(train_step.throughput.read())            # tokens/s since the last read
+
+Inside another jitted function (e.g. a whole RL iteration) trace the pure
+`train_step.step_fn(state, batch)` and `compute_logprobs.logprobs_fn(params,
+batch)`: the same computations without host checks.
 
 FSDP (ZeRO-3): params, gradients and optimizer state are stored sharded over
 the "fsdp" mesh axis; the forward all-gathers the embedding / LM head before
@@ -17,8 +22,12 @@ it and each decoder layer inside the policy's layer scan (one layer at a time,
 re-gathered in the backward pass), see `fsdp_gather_fns`.
 """
 
+from rlx.policy import (
+  param_shardings,
+)
 from rlx.train._checkpoint import (
   Checkpointer,
+  CheckpointError,
   Restored,
 )
 from rlx.train._config import (
@@ -29,6 +38,14 @@ from rlx.train._config import (
 from rlx.train._distributed import (
   initialize_distributed,
   to_host,
+)
+from rlx.train._gather import (
+  FsdpGather,
+  fsdp_gather_fns,
+)
+from rlx.train._host import (
+  NonFiniteError,
+  TrainStep,
 )
 from rlx.train._logprobs import (
   ComputeLogprobs,
@@ -43,14 +60,17 @@ from rlx.train._mesh import (
   gathered_param_shardings,
   make_mesh,
   opt_state_shardings,
-  param_shardings,
   replicated,
-  shard_batch,
-  shard_params,
 )
 from rlx.train._optimizer import (
   make_optimizer,
   make_schedule,
+  update_counter,
+  updates_per_step,
+)
+from rlx.train._placement import (
+  shard_batch,
+  shard_params,
 )
 from rlx.train._state import (
   TrainState,
@@ -59,9 +79,47 @@ from rlx.train._state import (
   train_state_shardings,
 )
 from rlx.train._step import (
-  FsdpGather,
-  NonFiniteError,
-  TrainStep,
-  fsdp_gather_fns,
   make_train_step,
+)
+from rlx.train._throughput import (
+  ThroughputMeter,
+)
+
+__all__ = (
+  "abstract_train_state",
+  "BATCH_AXES",
+  "batch_axis_size",
+  "batch_sharding",
+  "CheckpointError",
+  "Checkpointer",
+  "ComputeLogprobs",
+  "create_train_state",
+  "fsdp_gather_fns",
+  "FsdpGather",
+  "gathered_layer_shardings",
+  "gathered_param_shardings",
+  "get_config",
+  "initialize_distributed",
+  "make_compute_logprobs",
+  "make_mesh",
+  "make_optimizer",
+  "make_schedule",
+  "make_train_step",
+  "MESH_AXES",
+  "NonFiniteError",
+  "opt_state_shardings",
+  "param_shardings",
+  "replicated",
+  "resolve_agg",
+  "Restored",
+  "shard_batch",
+  "shard_params",
+  "ThroughputMeter",
+  "to_host",
+  "train_state_shardings",
+  "TrainState",
+  "TrainStep",
+  "update_counter",
+  "updates_per_step",
+  "validate_config",
 )

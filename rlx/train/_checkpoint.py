@@ -1,6 +1,6 @@
 """Orbax checkpoints of a run: train state, data cursor and an opaque extra pytree.
 
-One checkpoint step directory holds three items:
+One checkpoint step holds three items:
   state   the whole `TrainState` (step, params, optimizer state, rng, skipped),
           as sharded arrays (each process writes its shards);
   cursor  the data cursor, any JSON value (e.g. `{"epoch": 1, "index": 96}`);
@@ -8,21 +8,47 @@ One checkpoint step directory holds three items:
 Together they are everything needed to resume a run bit-exactly: the step
 draws its randomness from `fold_in(state.rng, state.step)` and the data
 pipeline restarts from the cursor.
+
+Built on `orbax.checkpoint.CheckpointManager`
+(https://orbax.readthedocs.io/en/latest/guides/checkpoint/api_refactor.html):
+paths are `etils.epath.Path`s (local or cloud, e.g. `gs://`), steps and items
+come from the manager's own `all_steps` / `item_metadata`, and each save is
+written to a temporary directory that orbax renames (or, on object stores,
+marks committed) only once complete, so a run killed mid-save leaves no step
+that the manager lists.
 """
 
-import dataclasses
 import os
-from typing import Any
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from rlx.train import _state
 
+# Longest part of an underlying (orbax / TensorStore) error quoted in messages.
+_CAUSE_CHARS = 300
 
-@dataclasses.dataclass(frozen=True)
-class Restored:
+
+class CheckpointError(RuntimeError):
+  """A checkpoint step that cannot be read, or a save that was not performed.
+
+  Attributes:
+    step: the checkpoint step concerned (None if none).
+    directory: the checkpoint directory.
+  """
+
+  def __init__(self, message: str, *, step: int | None, directory: Any):
+    super().__init__(message)
+    self.step = step
+    self.directory = directory
+
+
+class Restored(NamedTuple):
   """What `Checkpointer.restore` returns.
 
   Attributes:
@@ -52,6 +78,21 @@ class Checkpointer:
   Call `wait_until_finished()` (or `close()`) before reading the files from
   another process. Every process of a multi-process run must call `save` and
   `restore` (collectively), with the same `directory`.
+
+  Faults:
+    - `restore()` of the latest step falls back to the newest READABLE step:
+      a step whose files are truncated or corrupt is skipped with a warning
+      naming it (`restore(step=n)` of such a step raises `CheckpointError`
+      naming it). A restore target of another shape (model or optimizer
+      config) is a `ValueError` naming the mismatching leaves, not a fallback.
+    - A save that is not performed raises `CheckpointError` (except the
+      documented `save_interval_steps` skip, which returns False).
+    - Retention keeps the newest `max_to_keep` steps not known to be broken,
+      and never deletes the newest step known to be good (saved or restored
+      by this `Checkpointer`). It runs once a save has finished (at the next
+      `save`, `wait_until_finished` or `close`), so up to `max_to_keep + 1`
+      steps exist while a save is being written. Known-broken steps are
+      deleted by retention, and by a `save` of the same step number.
   """
 
   def __init__(
@@ -65,22 +106,29 @@ class Checkpointer:
     """Opens (or creates) a checkpoint directory.
 
     Args:
-      directory: where step sub-directories are written (absolute path).
-      max_to_keep: keep only the newest N checkpoints (None = keep all).
+      directory: where step sub-directories are written: a local path
+        (relative paths are made absolute) or a cloud URL such as
+        `gs://bucket/run/ckpt` (`etils.epath.Path`).
+      max_to_keep: keep only the newest N good checkpoints (None = keep all).
       save_interval_steps: `save` only writes steps divisible by this (unless
         `force=True`).
       async_save: write files in a background thread.
     """
-    if max_to_keep is not None and max_to_keep < 1:
-      raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
-    if save_interval_steps < 1:
-      raise ValueError(f"`save_interval_steps` must be >= 1, got {save_interval_steps}.")
-    self.directory = os.path.abspath(os.fspath(directory))
+    if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+      raise ValueError(f"`max_to_keep` must be an int >= 1 or None, got {max_to_keep!r}.")
+    if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+      raise ValueError(f"`save_interval_steps` must be an int >= 1, got {save_interval_steps!r}.")
+    path = epath.Path(directory)
+    self.directory = path if path.is_absolute() else path.absolute()
+    self._max_to_keep = max_to_keep
+    self._save_interval_steps = save_interval_steps
+    self._good: set[int] = set()  # steps saved or restored by this Checkpointer
+    self._broken: set[int] = set()  # steps found unreadable
+    self._pending: int | None = None  # step whose async save may still run
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        save_interval_steps=save_interval_steps,
+        max_to_keep=None,  # retention is `_apply_retention` (never evicts the last good step)
         enable_async_checkpointing=async_save,
       ),
     )
@@ -97,7 +145,8 @@ class Checkpointer:
     """Starts saving checkpoint `step` (asynchronously).
 
     Args:
-      step: the checkpoint number (usually `int(state.step)`).
+      step: the checkpoint number (usually `int(state.step)`), newer than every
+        kept readable step.
       state: the `TrainState` to save (any sharding).
       data_cursor: JSON-serialisable position of the data pipeline.
       extra: optional pytree of host arrays / numbers (e.g. the partial-rollout
@@ -105,10 +154,37 @@ class Checkpointer:
       force: save even if `step` is not a multiple of `save_interval_steps`.
 
     Returns:
-      Whether a save was started.
+      True if a save was started; False only when `step` is skipped by
+      `save_interval_steps` (and not `force`).
+
+    Raises:
+      ValueError: bad arguments, or `step` is not newer than the newest kept step.
+      CheckpointError: orbax declined or failed the save (e.g. a previous
+        asynchronous save failed, or the directory is read-only).
     """
     if not isinstance(state, _state.TrainState):
-      raise ValueError(f"`state` must be a TrainState, got {type(state)}.")
+      raise ValueError(f"`state` must be a TrainState, got {type(state).__name__}.")
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+      raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
+    step = int(step)
+    if not force and step % self._save_interval_steps:
+      return False
+    self._finish_pending()
+    for broken in sorted(s for s in self._broken if s >= step and s in self._steps()):
+      warnings.warn(
+        f"Deleting unreadable checkpoint step {broken} in {self.directory} before saving "
+        f"step {step}.",
+        stacklevel=2,
+      )
+      self._delete(broken)
+    existing = self._steps()
+    if step in existing:
+      raise ValueError(f"Checkpoint step {step} already exists in {self.directory}.")
+    if existing and step < max(existing):
+      raise ValueError(
+        f"Checkpoint step {step} is older than the newest kept step {max(existing)} in "
+        f"{self.directory}; steps must increase."
+      )
     items = {
       "state": ocp.args.StandardSave(state),
       "cursor": ocp.args.JsonSave({"data_cursor": data_cursor}),
@@ -117,7 +193,25 @@ class Checkpointer:
       if not jax.tree.leaves(extra):
         raise ValueError("`extra` has no array leaves; pass None to save no extra item.")
       items["extra"] = ocp.args.StandardSave(extra)
-    return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+    try:
+      started = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except (ValueError, TypeError):
+      raise
+    except Exception as e:
+      raise CheckpointError(
+        f"Saving checkpoint step {step} in {self.directory} failed: {_cause(e)}",
+        step=step,
+        directory=self.directory,
+      ) from e
+    if not started:
+      raise CheckpointError(
+        f"orbax declined to save checkpoint step {step} in {self.directory} (read-only "
+        "directory, or a step that is not newer than the latest).",
+        step=step,
+        directory=self.directory,
+      )
+    self._pending = step
+    return True
 
   def restore(
     self,
@@ -133,7 +227,8 @@ class Checkpointer:
         (`abstract_train_state(model_config, train_config, mesh)`) or of
         arrays; the checkpoint is re-sharded onto its shardings, so a
         checkpoint written on one mesh restores onto any other.
-      step: which checkpoint (default: the latest).
+      step: which checkpoint; default: the newest readable one (a newer
+        unreadable step is skipped with a warning naming it).
       extra_target: optional target pytree for `extra` (shapes/shardings);
         without it the extra pytree is restored as saved (numpy on host).
 
@@ -142,47 +237,57 @@ class Checkpointer:
 
     Raises:
       FileNotFoundError: no checkpoint (or not that step) exists.
+      CheckpointError: the requested step (or, without `step`, every step)
+        cannot be read; the message names the step(s).
+      ValueError: `target` does not have the checkpoint's structure or shapes.
     """
-    self._manager.wait_until_finished()
-    if step is None:
-      step = self._manager.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"No checkpoint found in {self.directory}.")
-    elif step not in self._manager.all_steps():
-      raise FileNotFoundError(
-        f"No checkpoint for step {step} in {self.directory}; have {self.all_steps()}."
-      )
-    abstract = jax.tree.map(_as_abstract, target)
-    items = {
-      "state": ocp.args.StandardRestore(abstract),
-      "cursor": ocp.args.JsonRestore(),
-    }
-    has_extra = os.path.isdir(os.path.join(self.directory, str(step), "extra"))
-    if has_extra:
-      items["extra"] = ocp.args.StandardRestore(extra_target)
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(**items))
-    return Restored(
-      step=int(step),
-      state=restored["state"],
-      data_cursor=restored["cursor"]["data_cursor"],
-      extra=restored["extra"] if has_extra else None,
+    self._finish_pending()
+    self._manager.reload()
+    steps = self._steps()
+    if step is not None:
+      if step not in steps:
+        raise FileNotFoundError(f"No checkpoint for step {step} in {self.directory}; have {steps}.")
+      return self._restore_step(int(step), target, extra_target)
+    if not steps:
+      raise FileNotFoundError(f"No checkpoint found in {self.directory}.")
+    unreadable = []
+    for candidate in reversed(steps):
+      try:
+        restored = self._restore_step(candidate, target, extra_target)
+      except CheckpointError as e:
+        unreadable.append(candidate)
+        warnings.warn(f"{e} Trying the next older step.", stacklevel=2)
+        continue
+      if unreadable:
+        warnings.warn(
+          f"Restored checkpoint step {candidate} from {self.directory}: the newer step(s) "
+          f"{sorted(unreadable)} cannot be read.",
+          stacklevel=2,
+        )
+      return restored
+    raise CheckpointError(
+      f"No readable checkpoint in {self.directory}: steps {sorted(unreadable)} all failed "
+      "to load (see the warnings).",
+      step=None,
+      directory=self.directory,
     )
 
   def latest_step(self) -> int | None:
     """The newest saved step (None if there is none)."""
-    return self._manager.latest_step()
+    steps = self._steps()
+    return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
     """All kept steps, ascending."""
-    return sorted(self._manager.all_steps())
+    return self._steps()
 
   def wait_until_finished(self) -> None:
-    """Blocks until pending asynchronous saves are written."""
-    self._manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are written, then applies retention."""
+    self._finish_pending()
 
   def close(self) -> None:
-    """Waits for pending saves and releases the manager."""
-    self._manager.wait_until_finished()
+    """Waits for pending saves, applies retention and releases the manager."""
+    self._finish_pending()
     self._manager.close()
 
   def __enter__(self) -> "Checkpointer":
@@ -190,6 +295,93 @@ class Checkpointer:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+  # --- internals ---
+
+  def _steps(self) -> list[int]:
+    return sorted(int(s) for s in self._manager.all_steps())
+
+  def _finish_pending(self) -> None:
+    """Waits for the in-flight save; marks it good (or raises) and applies retention."""
+    self._manager.wait_until_finished()
+    pending, self._pending = self._pending, None
+    if pending is not None:
+      try:
+        self._manager.check_for_errors()
+      except Exception as e:
+        raise CheckpointError(
+          f"The asynchronous save of checkpoint step {pending} in {self.directory} failed: "
+          f"{_cause(e)}",
+          step=pending,
+          directory=self.directory,
+        ) from e
+      self._good.add(pending)
+      self._broken.discard(pending)
+    self._apply_retention()
+
+  def _apply_retention(self) -> None:
+    if self._max_to_keep is None:
+      return
+    steps = self._steps()
+    readable = [s for s in steps if s not in self._broken]
+    keep = set(readable[-self._max_to_keep :])
+    good = [s for s in steps if s in self._good]
+    if good:
+      keep.add(good[-1])  # never delete the newest step known to be good
+    newest_kept = max(keep) if keep else None
+    for s in steps:
+      if s in keep:
+        continue
+      if s in self._broken and (newest_kept is None or s > newest_kept):
+        continue  # an unreadable step newer than every good one: left for inspection
+      self._delete(s)
+
+  def _delete(self, step: int) -> None:
+    self._manager.delete(step)
+    self._good.discard(step)
+    self._broken.discard(step)
+
+  def _restore_step(self, step: int, target: Any, extra_target: Any) -> Restored:
+    """Restores one step; unreadable files raise CheckpointError naming it."""
+    try:
+      metadata = self._manager.item_metadata(step)
+      items = set(metadata.keys())
+      saved_state = metadata["state"]
+    except Exception as e:
+      raise self._unreadable(step, e) from e
+    if "state" not in items or saved_state is None:
+      raise self._unreadable(step, KeyError("no `state` item"))
+    abstract = jax.tree.map(_as_abstract, target)
+    _check_matches(saved_state, abstract, step, self.directory)
+    args = {
+      "state": ocp.args.StandardRestore(abstract),
+      "cursor": ocp.args.JsonRestore(),
+    }
+    has_extra = "extra" in items and metadata["extra"] is not None
+    if has_extra:
+      args["extra"] = ocp.args.StandardRestore(extra_target)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+      cursor = restored["cursor"]["data_cursor"]
+    except Exception as e:
+      raise self._unreadable(step, e) from e
+    self._good.add(step)
+    self._broken.discard(step)
+    return Restored(
+      step=step,
+      state=restored["state"],
+      data_cursor=cursor,
+      extra=restored["extra"] if has_extra else None,
+    )
+
+  def _unreadable(self, step: int, error: Exception) -> CheckpointError:
+    self._broken.add(step)
+    return CheckpointError(
+      f"Checkpoint step {step} in {self.directory} cannot be read (truncated or corrupt "
+      f"files?): {_cause(error)}",
+      step=step,
+      directory=self.directory,
+    )
 
 
 def _as_abstract(x: Any) -> Any:
@@ -199,3 +391,54 @@ def _as_abstract(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   x = np.asarray(x)
   return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _path_names(path: Sequence[Any]) -> tuple[str, ...]:
+  """A pytree key path as plain names (dict keys, attribute names and indices alike)."""
+  names = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        names.append(str(getattr(key, attr)))
+        break
+    else:
+      names.append(str(key))
+  return tuple(names)
+
+
+def _check_matches(saved: Any, abstract: Any, step: int, directory: Any) -> None:
+  """Raises ValueError if the saved state's leaves (orbax metadata) differ from the target's."""
+  tree = getattr(saved, "tree", saved)
+  have = {
+    _path_names(p): tuple(leaf.shape)
+    for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    if hasattr(leaf, "shape")
+  }
+  want = {
+    _path_names(p): tuple(leaf.shape)
+    for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
+  }
+  problems = [f"missing {'/'.join(k)}" for k in sorted(set(want) - set(have))]
+  problems += [f"unexpected {'/'.join(k)}" for k in sorted(set(have) - set(want))]
+  problems += [
+    f"{'/'.join(k)} is {list(have[k])}, target {list(want[k])}"
+    for k in sorted(set(want) & set(have))
+    if have[k] != want[k]
+  ]
+  if problems:
+    shown = "; ".join(problems[:6]) + (
+      f"; ... ({len(problems)} in all)" if len(problems) > 6 else ""
+    )
+    raise ValueError(
+      f"Checkpoint step {step} in {directory} holds a state that does not match `target` "
+      f"(another model config or optimizer?): {shown}."
+    )
+
+
+def _cause(error: Exception) -> str:
+  """`Type: first line of the message`, shortened (no TensorStore spec dumps)."""
+  text = str(error).strip().splitlines()
+  first = text[0] if text else ""
+  if len(first) > _CAUSE_CHARS:
+    first = first[:_CAUSE_CHARS] + "..."
+  return f"{type(error).__name__}: {first}"

@@ -1,8 +1,13 @@
 """Training configuration: `get_config()` defaults and their validation.
 
 A researcher changes the objective with one field (`config.loss = "gspo"`);
-the train step stays one compiled, sharded function. Launch commands live in
-the experiment configs that start from these defaults, e.g.
+the train step stays one compiled, sharded function. The returned ConfigDict is
+locked, so a misspelt field is an error rather than a silently ignored new
+one; the free-form keyword sections (`loss_kwargs`, `bapo_kwargs`,
+`m2po_kwargs`, `rollout_correction_kwargs`) stay open and are checked against
+the signature of the function they feed. Layout after flax's `configs/default.py`
+(https://github.com/google/flax/tree/main/examples/lm1b/configs) and
+big_vision's configs (https://github.com/google-research/big_vision):
 
   config = rlx.train.get_config()
   config.loss = "cispo"
@@ -10,53 +15,59 @@ the experiment configs that start from these defaults, e.g.
 """
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 
 from rlx import objectives
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl", "k3+")
 SCHEDULES = ("constant", "warmup_cosine")
 NONFINITE_MODES = ("skip", "raise")
+# Sections holding keyword arguments of a function (open for new keys), and
+# the function whose keywords they may name.
+KWARGS_SECTIONS = ("loss_kwargs", "bapo_kwargs", "m2po_kwargs", "rollout_correction_kwargs")
+# Keywords of the loss that the step itself passes (never from `loss_kwargs`).
+_STEP_OWNED_LOSS_KEYWORDS = ("is_weights", "agg", "agg_scale")
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """Default `TrainConfig`: token-mean PPO clip, AdamW, one update per batch.
+  """Default train config: token-mean PPO clip, AdamW, one update per batch.
 
   Returns:
-    A `ml_collections.ConfigDict`; every field is commented below.
+    A locked `ml_collections.ConfigDict` (assigning an unknown field raises);
+    every field is commented below.
   """
   c = ml_collections.ConfigDict()
   # --- objective ---
-  # Policy loss: any key of rlx.objectives.POLICY_LOSSES
+  # Policy loss: any key of rlx.objectives.POLICY_LOSS_SPECS
   # ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo").
   c.loss = "ppo"
   # Keyword hyper-parameters of the loss (clip_low, clip_high, dual_clip, ...);
-  # empty = the loss's own defaults.
+  # empty = the loss's own defaults. Checked against the loss's signature.
   c.loss_kwargs = ml_collections.ConfigDict()
   # Loss aggregation mode (rlx.objectives.aggregate), also used for the KL and
-  # entropy terms; "default" = the policy loss's own default `agg` (e.g.
-  # seq-mean-token-mean for gspo, token-mean for ppo).
+  # entropy terms; "default" = the loss's registered default
+  # (`PolicyLossSpec.default_agg`: seq-mean-token-mean for gspo, token-mean for ppo).
   c.agg = "default"
   # BAPO adaptive clip bounds (rlx.objectives.bapo_clip_bounds), computed inside
-  # the step on each mini-batch and passed to the loss as clip bounds. Only for
-  # loss="ppo".
+  # the step on each mini-batch and passed to the loss through the clip keywords
+  # its registry spec declares (`PolicyLossSpec.clip_keywords`; needs clip_low and
+  # clip_high). Those keywords must then not be set in loss_kwargs.
   c.use_bapo = False
   c.bapo_kwargs = ml_collections.ConfigDict()
   # M2PO second-moment mask (rlx.objectives.m2po_mask) on old vs rollout logp;
   # needs `rollout_logp` in the batch.
   c.use_m2po = False
   c.m2po_kwargs = ml_collections.ConfigDict()
-  # Rollout-mismatch correction (rlx.objectives.rollout_correction): its
-  # weights become the loss's `is_weights` and its mask replaces the loss mask.
-  # Needs `rollout_logp` in the batch.
+  # Rollout-mismatch correction (rlx.objectives.rollout_correction) of the
+  # sampled tokens: its weights become the loss's `is_weights` and its mask is
+  # combined with the loss mask. Needs `rollout_logp` in the batch.
   c.use_rollout_correction = False
   c.rollout_correction_kwargs = ml_collections.ConfigDict()
   # VCPO: scale every update by sqrt(min(1, ESS)) of the batch's sequence IS
-  # weights prod_t pi_old / pi_rollout (rlx.objectives.vcpo_lr_factor); needs
-  # `rollout_logp` in the batch.
+  # weights prod_t pi_old / pi_rollout over the sampled tokens
+  # (rlx.objectives.vcpo_lr_factor); needs `rollout_logp` in the batch.
   c.use_vcpo = False
   # KL(current || frozen reference) penalty coefficient; 0 disables it. When
   # > 0 the batch must carry `ref_logp` (see compute_logprobs).
@@ -79,7 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
   # policy's layer scan (rlx.policy `layer_params_fn`; the backward pass
   # re-gathers each layer), so gathered weights cost about one layer of memory
   # rather than the whole model. False gathers the whole param tree before the
-  # forward (the previous behaviour; kept for comparison).
+  # forward (more memory, fewer collectives).
   c.gather_fsdp_per_layer = True
   # --- optimisation ---
   # Global-norm gradient clipping; 0 disables it.
@@ -111,31 +122,51 @@ def get_config() -> ml_collections.ConfigDict:
   # metrics) or, in addition, raises NonFiniteError on host after the step.
   c.nonfinite = "skip"
   # --- metrics ---
-  # Wait for each step on host and report step_time_s, tokens_per_second and
-  # loss_tokens_per_second (wall clock; the first step includes compilation).
-  # False keeps dispatch asynchronous and omits these three metrics.
-  c.report_throughput = True
+  # True: wait for each step on host and add step_time_s, tokens_per_second and
+  # loss_tokens_per_second to its metrics (a host sync per step). False (default)
+  # keeps dispatch asynchronous; `TrainStep.throughput.read()` measures the same
+  # over a window of steps with one sync when read.
+  c.report_throughput = False
+  c.lock()
+  for section in KWARGS_SECTIONS:
+    c[section].unlock()
   return c
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first invalid field of a train config."""
-  if config.loss not in objectives.POLICY_LOSSES:
-    raise ValueError(
-      f"`config.loss` must be one of {sorted(objectives.POLICY_LOSSES)}, got {config.loss!r}."
-    )
-  _choice(config.agg, AGG_MODES + ("default",), "config.agg")
-  _choice(config.kl_kind, KL_KINDS, "config.kl_kind")
+  """Raises ValueError naming the first invalid field of a train config.
+
+  Checks every field's value, that the config has exactly the fields of
+  `get_config()` (a misspelt or missing field is named, also in an unlocked
+  copy), and that each `*_kwargs` section names only keywords of its function.
+  """
+  _check_fields(config, get_config(), "config")
+  spec = loss_spec(config)
+  _choice(config.agg, objectives.AGG_MODES + ("default",), "config.agg")
+  _choice(config.kl_kind, objectives.KL_KINDS, "config.kl_kind")
   _choice(config.optimizer.schedule, SCHEDULES, "config.optimizer.schedule")
   _choice(config.nonfinite, NONFINITE_MODES, "config.nonfinite")
-  if config.use_bapo and config.loss != "ppo":
-    raise ValueError(f"`config.use_bapo` needs config.loss == 'ppo', got {config.loss!r}.")
+  _check_keywords(
+    config.loss_kwargs,
+    spec.fn,
+    "config.loss_kwargs",
+    exclude=_STEP_OWNED_LOSS_KEYWORDS + spec.extra_inputs,
+  )
+  _check_keywords(config.bapo_kwargs, objectives.bapo_clip_bounds, "config.bapo_kwargs")
+  _check_keywords(config.m2po_kwargs, objectives.m2po_mask, "config.m2po_kwargs")
+  _check_keywords(
+    config.rollout_correction_kwargs,
+    objectives.rollout_correction,
+    "config.rollout_correction_kwargs",
+  )
+  if config.use_bapo:
+    _check_bapo(config, spec)
   for name in ("micro_batches", "ppo_epochs", "mini_batches"):
     value = config[name]
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"`config.{name}` must be an int >= 1, got {value!r}.")
   for name in ("kl_coef", "entropy_coef", "max_grad_norm", "logprob_chunk_size"):
-    if config[name] < 0:
+    if not config[name] >= 0:
       raise ValueError(f"`config.{name}` must be >= 0, got {config[name]!r}.")
   if not config.temperature > 0:
     raise ValueError(f"`config.temperature` must be > 0, got {config.temperature!r}.")
@@ -151,16 +182,20 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     )
 
 
+def loss_spec(config: ml_collections.ConfigDict) -> objectives.PolicyLossSpec:
+  """The registry entry (`rlx.objectives.PolicyLossSpec`) of `config.loss`."""
+  if config.loss not in objectives.POLICY_LOSS_SPECS:
+    raise ValueError(
+      f"`config.loss` must be one of {sorted(objectives.POLICY_LOSS_SPECS)}, got {config.loss!r}."
+    )
+  return objectives.get_policy_loss_spec(config.loss)
+
+
 def resolve_agg(config: ml_collections.ConfigDict) -> str:
-  """The aggregation mode of a config: `config.agg`, or the loss's default."""
+  """The aggregation mode of a config: `config.agg`, or the loss's registered default."""
   if config.agg != "default":
     return config.agg
-  parameter = inspect.signature(objectives.POLICY_LOSSES[config.loss]).parameters.get("agg")
-  if parameter is None or parameter.default not in AGG_MODES:
-    raise ValueError(
-      f"Loss {config.loss!r} has no default `agg`; set config.agg to one of {AGG_MODES}."
-    )
-  return parameter.default
+  return loss_spec(config).default_agg
 
 
 def to_kwargs(section: Any) -> dict:
@@ -170,6 +205,60 @@ def to_kwargs(section: Any) -> dict:
   if isinstance(section, ml_collections.ConfigDict):
     return section.to_dict()
   return dict(section)
+
+
+def _check_fields(config: Any, defaults: ml_collections.ConfigDict, name: str) -> None:
+  """Same field names as `defaults`, recursively (kwargs sections are free-form)."""
+  if not isinstance(config, ml_collections.ConfigDict | dict):
+    raise ValueError(f"`{name}` must be a ConfigDict (get_config()), got {type(config).__name__}.")
+  have, want = set(config.keys()), set(defaults.keys())
+  unknown, missing = sorted(have - want), sorted(want - have)
+  if unknown or missing:
+    raise ValueError(
+      f"`{name}` has unknown fields {unknown} and lacks fields {missing}; "
+      f"the fields are those of rlx.train.get_config(): {sorted(want)}."
+    )
+  for key in want:
+    if isinstance(defaults[key], ml_collections.ConfigDict) and key not in KWARGS_SECTIONS:
+      _check_fields(config[key], defaults[key], f"{name}.{key}")
+
+
+def _check_keywords(
+  section: Any, fn: Callable, name: str, *, exclude: tuple[str, ...] = ()
+) -> None:
+  """Every key of `section` is a keyword-only parameter of `fn` (minus `exclude`)."""
+  allowed = sorted(
+    p.name
+    for p in inspect.signature(fn).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in exclude
+  )
+  unknown = sorted(set(to_kwargs(section)) - set(allowed))
+  if unknown:
+    raise ValueError(
+      f"`{name}` has unknown keywords {unknown}; {fn.__name__} takes {allowed}"
+      + (f" (the step passes {sorted(exclude)} itself)." if exclude else ".")
+    )
+
+
+def _check_bapo(config: ml_collections.ConfigDict, spec: objectives.PolicyLossSpec) -> None:
+  """BAPO needs the loss's ratio clip keywords, and owns them."""
+  if not {"clip_low", "clip_high"} <= set(spec.clip_keywords):
+    raise ValueError(
+      f"`config.use_bapo` needs a loss whose registry spec declares the clip keywords "
+      f"clip_low and clip_high; {config.loss!r} declares {spec.clip_keywords}."
+    )
+  conflicts = sorted(set(to_kwargs(config.loss_kwargs)) & set(spec.clip_keywords))
+  if conflicts:
+    raise ValueError(
+      f"`config.loss_kwargs` sets {conflicts}, which BAPO sets from its adaptive bounds "
+      "(`config.use_bapo`); configure them through `config.bapo_kwargs` (c_low, c_high, "
+      "dual_clip, ...) instead."
+    )
+  if "dual_clip" not in spec.clip_keywords and "dual_clip" in to_kwargs(config.bapo_kwargs):
+    raise ValueError(
+      f"`config.bapo_kwargs.dual_clip` is set, but loss {config.loss!r} has no dual clip "
+      f"(its clip keywords are {spec.clip_keywords})."
+    )
 
 
 def _choice(value: Any, choices: tuple, name: str) -> None:

@@ -1,6 +1,7 @@
 """`compute_logprobs`: the old / reference log-probs by the step's own forward."""
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -9,46 +10,62 @@ import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
-from rlx.train import _config, _mesh, _state, _step
+from rlx import policy
+from rlx.train import _batch, _config, _forward, _gather, _mesh, _placement, _state
+
+_INPUT_KEYS = ("tokens", "loss_mask", "positions", "segment_ids")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class ComputeLogprobs:
-  """`compute_logprobs(state_or_params, batch) -> logp f32[B, S]`.
+  """`compute_logprobs(state_or_params, batch) -> logp f32[B, S]`, from `make_compute_logprobs`.
 
-  From `make_compute_logprobs`; runs one jitted, sharded function.
+  Calling it checks the params against the model config
+  (`rlx.policy.check_params`) and the batch (keys, shapes, token ids in
+  [0, vocab)) on host, then dispatches one jitted, sharded function
+  (`jitted`) without waiting for it. Inside another jitted function trace
+  `logprobs_fn(params, batch)` instead (pure, no host checks).
+
+  Attributes:
+    jitted: the jitted, sharded function `(params, inputs) -> logp`.
+    logprobs_fn: the pure `logprobs_fn(params, batch) -> logp f32[B, S]`.
+    mesh: the mesh of the params and batch.
+    model_config: the `rlx.policy.ModelConfig`.
+    micro_batches: the forward runs in this many row parts.
   """
 
-  def __init__(self, jitted: Any, micro_batches: int, mesh: Mesh, param_shardings: Any = None):
-    self.jitted = jitted
-    self._param_shardings = param_shardings
-    self.mesh = mesh
-    self._micro_batches = micro_batches
-    self._num_shards = _mesh.batch_axis_size(mesh)
+  jitted: Any
+  logprobs_fn: Callable[[Any, Mapping[str, jax.Array]], jax.Array]
+  mesh: Mesh
+  model_config: Any
+  micro_batches: int
 
-  def __call__(self, params: Any, batch: Mapping[str, jax.Array]) -> Float[Array, "B S"]:
+  def __call__(self, params: Any, batch: Mapping[str, Any]) -> Float[Array, "B S"]:
     if isinstance(params, _state.TrainState):
       params = params.params
-    if self._param_shardings is not None:
-      _mesh._check_same_structure(params, self._param_shardings, "params", "the policy's params")
-    if "tokens" not in batch or "loss_mask" not in batch:
-      raise ValueError(f"`batch` needs `tokens` and `loss_mask`, got keys {sorted(batch)}.")
-    tokens = batch["tokens"]
-    if len(tokens.shape) != 2:
-      raise ValueError(f"`tokens` must be [B, S], got shape {tokens.shape}.")
-    for key in ("loss_mask", "positions", "segment_ids"):
-      if key in batch and batch[key].shape != tokens.shape:
-        raise ValueError(
-          f"`{key}` must have the shape of `tokens` {tokens.shape}, got {batch[key].shape}."
-        )
-    parts = self._micro_batches * self._num_shards
-    if tokens.shape[0] % parts:
-      raise ValueError(
-        f"Batch size {tokens.shape[0]} must be divisible by micro_batches x data x fsdp = {parts}."
-      )
-    inputs = {
-      k: batch[k] for k in ("tokens", "loss_mask", "positions", "segment_ids") if k in batch
-    }
-    return self.jitted(params, _mesh.place_batch(inputs, self.mesh))
+    policy.check_params(params, self.model_config)
+    check_inputs(batch, self.micro_batches * _mesh.batch_axis_size(self.mesh))
+    _batch.check_token_ids(batch["tokens"], int(self.model_config.vocab_size), "batch['tokens']")
+    inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
+    return self.jitted(params, _placement.place_batch(inputs, self.mesh))
+
+
+def check_inputs(batch: Mapping[str, Any], parts: int) -> None:
+  """Keys and shapes of a `compute_logprobs` batch (no values are read)."""
+  if not isinstance(batch, Mapping) or "tokens" not in batch or "loss_mask" not in batch:
+    keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+    raise ValueError(f"`batch` needs `tokens` and `loss_mask`, got {keys}.")
+  shape = tuple(batch["tokens"].shape)
+  if len(shape) != 2:
+    raise ValueError(f"`tokens` must be [B, S], got shape {shape}.")
+  _placement.check_not_empty(shape, "batch['tokens']")
+  for key in _INPUT_KEYS[1:]:
+    if key in batch and tuple(batch[key].shape) != shape:
+      raise ValueError(f"`{key}` must have the shape of `tokens` {shape}, got {batch[key].shape}.")
+  if shape[0] % parts:
+    raise ValueError(
+      f"Batch size {shape[0]} must be divisible by micro_batches x data x fsdp = {parts}."
+    )
 
 
 def make_compute_logprobs(
@@ -58,11 +75,11 @@ def make_compute_logprobs(
 
   logp[b, s] = log softmax(logits[b, s-1] / temperature)[tokens[b, s]], 0 at
   s = 0 and where `loss_mask` is 0 — exactly the `logp` the train step
-  differentiates (same `rlx.policy.token_logprobs`, temperature, chunking and
-  shardings), computed without gradients in `train_config.micro_batches`
-  chunks. Use it for the anchor `old_logp` (with `state`) at the start of an
-  iteration and for `ref_logp` (with the frozen reference params, sharded like
-  the policy's via `shard_params`).
+  differentiates (same `rlx.policy.token_logprobs`, temperature, chunking,
+  FSDP gathering and shardings), computed without gradients in
+  `train_config.micro_batches` row parts. Use it for the anchor `old_logp`
+  (with `state`) at the start of an iteration and for `ref_logp` (with the
+  frozen reference params, sharded like the policy's via `shard_params`).
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
@@ -76,27 +93,26 @@ def make_compute_logprobs(
   """
   _config.validate_config(train_config)
   cfg = train_config
-  p_shardings = _mesh.param_shardings(model_config, mesh)
+  gather = _gather.fsdp_gather_fns(model_config, cfg, mesh)
+  parts = int(cfg.micro_batches) * _mesh.batch_axis_size(mesh)
+
+  def logprobs_fn(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+    check_inputs(batch, parts)
+    mask = batch["loss_mask"]
+    inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
+    inputs["loss_mask"] = mask if mask.dtype == jnp.bool_ else mask != 0
+    return _forward.microbatched_logprobs(params, inputs, model_config, cfg, mesh, gather)
+
   batch_sharding = NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))
-  micro_batches = cfg.micro_batches
-  gathered = _step.fsdp_gather_fns(model_config, cfg, mesh)
-
-  def fn(params, inputs):
-    mask = inputs["loss_mask"]
-    inputs = dict(inputs, loss_mask=mask if mask.dtype == jnp.bool_ else mask != 0)
-    rows = inputs["tokens"].shape[0] // micro_batches
-
-    def one(x):
-      x = jnp.swapaxes(x.reshape((rows, micro_batches) + x.shape[1:]), 0, 1)
-      spec = PartitionSpec(None, _mesh.BATCH_AXES, *([None] * (x.ndim - 2)))
-      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-    def body(_, micro):
-      logp, _ = _step._token_logprobs(params, micro, model_config, cfg, gathered)
-      return None, logp.astype(jnp.float32)
-
-    _, logp = jax.lax.scan(body, None, jax.tree.map(one, inputs))
-    return jnp.swapaxes(logp, 0, 1).reshape(inputs["tokens"].shape)
-
-  jitted = jax.jit(fn, in_shardings=(p_shardings, batch_sharding), out_shardings=batch_sharding)
-  return ComputeLogprobs(jitted, micro_batches, mesh, p_shardings)
+  jitted = jax.jit(
+    logprobs_fn,
+    in_shardings=(policy.param_shardings(model_config, mesh), batch_sharding),
+    out_shardings=batch_sharding,
+  )
+  return ComputeLogprobs(
+    jitted=jitted,
+    logprobs_fn=logprobs_fn,
+    mesh=mesh,
+    model_config=model_config,
+    micro_batches=int(cfg.micro_batches),
+  )

@@ -1,14 +1,14 @@
 """Device meshes and the shardings of params, optimizer state and batches.
 
-The mesh always has the three axes of contracts.md, in this order:
-`("data", "fsdp", "tensor")`. Params and the optimizer state that mirrors
+The mesh always has three axes, in this order: `("data", "fsdp", "tensor")`
+(the naming of MaxText / big_vision meshes). Params and the optimizer state that mirrors
 them are sharded over "fsdp" and "tensor" by `rlx.policy.partition_rules`;
 batches are sharded along their first (sequence) dimension over
 `("data", "fsdp")`, so every device of a data/fsdp group sees a distinct
 slice of the batch and FSDP gathers the weights it needs for its slice.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -105,24 +105,6 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
-def param_shardings(model_config: Any, mesh: Mesh) -> Any:
-  """`NamedSharding`s of the params, from `rlx.policy.partition_rules`.
-
-  Args:
-    model_config: an `rlx.policy.ModelConfig`.
-    mesh: a mesh from `make_mesh`.
-
-  Returns:
-    A pytree with the structure of the params whose leaves are `NamedSharding`.
-  """
-  specs = policy.partition_rules(model_config, mesh)
-  return jax.tree.map(
-    lambda spec: NamedSharding(mesh, spec),
-    specs,
-    is_leaf=lambda x: isinstance(x, PartitionSpec),
-  )
-
-
 def gathered_param_shardings(model_config: Any, mesh: Mesh) -> Any:
   """Param shardings with the "fsdp" axis removed (tensor sharding kept).
 
@@ -179,22 +161,6 @@ def gathered_layer_shardings(model_config: Any, mesh: Mesh) -> Any:
   return jax.tree.map(drop_layer_axis, gathered_param_shardings(model_config, mesh)["layers"])
 
 
-def shard_params(params: Any, model_config: Any, mesh: Mesh) -> Any:
-  """Places `params` on `mesh` by the policy's partition rules.
-
-  Args:
-    params: the params pytree (host or device arrays, any sharding).
-    model_config: the `rlx.policy.ModelConfig` the params belong to.
-    mesh: the target mesh.
-
-  Returns:
-    The same pytree with every leaf a `jax.Array` sharded on `mesh`.
-  """
-  shardings = param_shardings(model_config, mesh)
-  _check_same_structure(params, shardings, "params", "rlx.policy.partition_rules(config, mesh)")
-  return jax.tree.map(_put, params, shardings)
-
-
 def opt_state_shardings(
   optimizer: optax.GradientTransformation, params: Any, params_shardings: Any
 ) -> Any:
@@ -216,7 +182,7 @@ def opt_state_shardings(
   if not leaves:
     raise ValueError("`params_shardings` has no leaves.")
   mesh = leaves[0].mesh
-  _check_same_structure(params, params_shardings, "params", "params_shardings")
+  check_same_structure(params, params_shardings, "params", "params_shardings")
   abstract_params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
   abstract_state = jax.eval_shape(optimizer.init, abstract_params)
   return optax.tree_utils.tree_map_params(
@@ -228,85 +194,8 @@ def opt_state_shardings(
   )
 
 
-def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, process_local: bool = False) -> dict:
-  """Places a batch dict on `mesh`, dim 0 of every array over ("data", "fsdp").
-
-  Args:
-    batch: dict of arrays, each with the batch (sequence) dimension first,
-      e.g. `tokens i32[B, S]`, `advantages f32[B]`.
-    mesh: the mesh to place the batch on.
-    process_local: if False, every process passes the same GLOBAL batch and
-      keeps its own slices of it; if True, each process passes only ITS rows
-      (`B / jax.process_count()` of them, process order) and the global batch
-      is their concatenation.
-
-  Returns:
-    A dict with the same keys of sharded `jax.Array`s (global shapes).
-
-  Raises:
-    ValueError: arrays disagree on the batch size, or the (global) batch size
-      is not divisible by the number of batch shards.
-  """
-  if not isinstance(batch, Mapping) or not batch:
-    raise ValueError(f"`batch` must be a non-empty dict of arrays, got {type(batch)}.")
-  sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
-  if any(s is None for s in sizes.values()) or len(set(sizes.values())) != 1:
-    raise ValueError(f"All batch arrays need the same leading batch size, got {sizes}.")
-  local_size = next(iter(sizes.values()))
-  global_size = local_size * (jax.process_count() if process_local else 1)
-  shards = batch_axis_size(mesh)
-  if global_size % shards:
-    raise ValueError(
-      f"Global batch size {global_size} must be divisible by the number of batch shards "
-      f"data x fsdp = {shards}."
-    )
-  out = {}
-  for key, value in batch.items():
-    sharding = batch_sharding(mesh, np.ndim(value))
-    if process_local:
-      out[key] = jax.make_array_from_process_local_data(sharding, np.asarray(value))
-    else:
-      out[key] = _put(value, sharding)
-  return out
-
-
-def place_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
-  """Like `shard_batch` (global data), but leaves correctly sharded arrays alone.
-
-  Used on entry of the jitted step functions, so callers may pass numpy
-  arrays, arrays on one device, or arrays already from `shard_batch`.
-  """
-  shards = batch_axis_size(mesh)
-  out = {}
-  for key, value in batch.items():
-    shape = np.shape(value)
-    if not shape:
-      raise ValueError(f"Batch array `{key}` must have a leading batch dimension, got a scalar.")
-    if shape[0] % shards:
-      raise ValueError(
-        f"Batch array `{key}` has {shape[0]} rows, not divisible by the number of batch "
-        f"shards data x fsdp = {shards}."
-      )
-    sharding = batch_sharding(mesh, len(shape))
-    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
-      out[key] = value
-    else:
-      out[key] = _put(value, sharding)
-  return out
-
-
-def _put(x: Any, sharding: NamedSharding) -> jax.Array:
-  """Places `x` with `sharding`; works when the mesh spans several processes."""
-  if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
-    return jax.device_put(x, sharding)
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    # Already global: reshard under jit (no host round trip).
-    return jax.jit(lambda y: y, out_shardings=sharding)(x)
-  host = np.asarray(x)
-  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def _check_same_structure(a: Any, b: Any, a_name: str, b_name: str) -> None:
+def check_same_structure(a: Any, b: Any, a_name: str, b_name: str) -> None:
+  """Raises ValueError naming both trees if `a` and `b` differ in pytree structure."""
   sa, sb = jax.tree.structure(a), jax.tree.structure(b)
   if sa != sb:
     raise ValueError(f"`{a_name}` has tree structure {sa}, but `{b_name}` has {sb}.")

@@ -1,5 +1,12 @@
-"""The optax optimizer and learning-rate schedule of a train config."""
+"""The optax optimizer and learning-rate schedule of a train config.
 
+The schedule is a function of the optimizer-update counter; the train step
+logs `schedule(n)` with n computed from its own `TrainState` (see
+`update_counter`), so the reported learning rate does not depend on how the
+optimizer chain names or nests its internal counters.
+"""
+
+import jax
 import ml_collections
 import optax
 
@@ -60,3 +67,31 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   if config.max_grad_norm > 0:
     return optax.chain(optax.clip_by_global_norm(float(config.max_grad_norm)), adamw)
   return adamw
+
+
+def updates_per_step(config: ml_collections.ConfigDict) -> int:
+  """Optimizer updates in one train step: `ppo_epochs * mini_batches`."""
+  return int(config.ppo_epochs) * int(config.mini_batches)
+
+
+def update_counter(step: jax.Array, update_index: jax.Array, skipped: jax.Array, per_step: int):
+  """Optimizer updates applied before update `update_index` of train step `step`.
+
+    n = step * per_step + update_index - skipped
+
+  A skipped (non-finite) update keeps the optimizer state, so it does not
+  advance the optimizer's own schedule counter; `skipped` is the number of
+  updates skipped before this one (`TrainState.skipped` plus those of this
+  step so far). For a state from `create_train_state` (fresh optimizer) n is
+  the count at which `make_schedule(config)` is evaluated by the optimizer.
+
+  Args:
+    step: i32[] `TrainState.step` of the running step.
+    update_index: i32[] index of the update within the step, in [0, per_step).
+    skipped: i32[] updates skipped before this one.
+    per_step: `updates_per_step(config)`.
+
+  Returns:
+    i32[] the update counter n.
+  """
+  return step * per_step + update_index - skipped

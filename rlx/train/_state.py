@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
 from rlx import policy
-from rlx.train import _config, _mesh, _optimizer
+from rlx.train import _config, _mesh, _optimizer, _placement
 
 
 @flax.struct.dataclass
@@ -37,7 +38,12 @@ class TrainState:
 
 
 def train_state_shardings(
-  params: Any, model_config: Any, train_config: ml_collections.ConfigDict, mesh: Mesh
+  params: Any,
+  model_config: Any,
+  train_config: ml_collections.ConfigDict,
+  mesh: Mesh,
+  *,
+  optimizer: optax.GradientTransformation | None = None,
 ) -> TrainState:
   """The `NamedSharding` of every leaf of a `TrainState` on `mesh`.
 
@@ -46,12 +52,13 @@ def train_state_shardings(
     model_config: the `rlx.policy.ModelConfig`.
     train_config: the train config (selects the optimizer).
     mesh: a mesh from `make_mesh`.
+    optimizer: optional optax transformation replacing `make_optimizer(train_config)`.
 
   Returns:
     A `TrainState` whose leaves are `NamedSharding`s.
   """
-  p_shardings = _mesh.param_shardings(model_config, mesh)
-  optimizer = _optimizer.make_optimizer(train_config)
+  p_shardings = policy.param_shardings(model_config, mesh)
+  optimizer = _resolve_optimizer(optimizer, train_config)
   rep = _mesh.replicated(mesh)
   return TrainState(
     step=rep,
@@ -69,43 +76,61 @@ def create_train_state(
   mesh: Mesh,
   *,
   rng: jax.Array,
+  optimizer: optax.GradientTransformation | None = None,
 ) -> TrainState:
   """A fresh `TrainState` on `mesh`: step 0, sharded params, new optimizer state.
 
+  The state owns its buffers: `params` are copied onto the mesh (never
+  aliased), so the donating train step deletes only the state's copy and the
+  caller's `params` stay usable (e.g. as the frozen reference policy for
+  `compute_logprobs`).
+
   Args:
     params: the initial policy params (e.g. from `rlx.policy.init_params` or
-      `load_hf_checkpoint`), host or device arrays.
+      `load_hf_checkpoint`), host or device arrays; checked against
+      `model_config` (`rlx.policy.check_params`).
     model_config: the `rlx.policy.ModelConfig` of `params`.
     train_config: the train config (`get_config()`).
     mesh: a mesh from `make_mesh`.
     rng: a PRNG key (raw u32[2] or typed); stored as raw key data.
+    optimizer: optional optax transformation replacing
+      `make_optimizer(train_config)` (pass the same one to `make_train_step`).
 
   Returns:
     A `TrainState` with every leaf sharded on `mesh` (see
     `train_state_shardings`).
+
+  Raises:
+    ValueError: `params` do not match `model_config` (every missing, unexpected
+      or mis-shaped leaf is named), or `rng` is not a PRNG key.
   """
   _config.validate_config(train_config)
+  policy.check_params(params, model_config)
   rng = jnp.asarray(rng)
   if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
     rng = jax.random.key_data(rng)
   if rng.dtype != jnp.uint32 or rng.ndim != 1:
     raise ValueError(f"`rng` must be a PRNG key (u32[2] or typed key), got {rng.dtype}{rng.shape}.")
-  shardings = train_state_shardings(params, model_config, train_config, mesh)
-  params = _mesh.shard_params(params, model_config, mesh)
-  optimizer = _optimizer.make_optimizer(train_config)
+  optimizer = _resolve_optimizer(optimizer, train_config)
+  shardings = train_state_shardings(params, model_config, train_config, mesh, optimizer=optimizer)
+  params = _placement.copy_to(params, shardings.params)
   opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
   rep = _mesh.replicated(mesh)
   return TrainState(
-    step=_mesh._put(np.zeros((), np.int32), rep),
+    step=_placement.put(np.zeros((), np.int32), rep),
     params=params,
     opt_state=opt_state,
-    rng=_mesh._put(np.asarray(rng), rep),
-    skipped=_mesh._put(np.zeros((), np.int32), rep),
+    rng=_placement.put(np.asarray(rng), rep),
+    skipped=_placement.put(np.zeros((), np.int32), rep),
   )
 
 
 def abstract_train_state(
-  model_config: Any, train_config: ml_collections.ConfigDict, mesh: Mesh
+  model_config: Any,
+  train_config: ml_collections.ConfigDict,
+  mesh: Mesh,
+  *,
+  optimizer: optax.GradientTransformation | None = None,
 ) -> TrainState:
   """A `TrainState` of `jax.ShapeDtypeStruct`s (with shardings on `mesh`).
 
@@ -117,6 +142,7 @@ def abstract_train_state(
     model_config: the `rlx.policy.ModelConfig`.
     train_config: the train config (selects the optimizer).
     mesh: the mesh to restore onto.
+    optimizer: optional optax transformation replacing `make_optimizer(train_config)`.
 
   Returns:
     A `TrainState` whose leaves are `jax.ShapeDtypeStruct` with `.sharding`.
@@ -124,7 +150,7 @@ def abstract_train_state(
   params = jax.eval_shape(
     functools.partial(policy.init_params, model_config), jax.random.PRNGKey(0)
   )
-  optimizer = _optimizer.make_optimizer(train_config)
+  optimizer = _resolve_optimizer(optimizer, train_config)
   shapes = TrainState(
     step=jax.ShapeDtypeStruct((), jnp.int32),
     params=params,
@@ -132,7 +158,22 @@ def abstract_train_state(
     rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)),
     skipped=jax.ShapeDtypeStruct((), jnp.int32),
   )
-  shardings = train_state_shardings(params, model_config, train_config, mesh)
+  shardings = train_state_shardings(params, model_config, train_config, mesh, optimizer=optimizer)
   return jax.tree.map(
     lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
   )
+
+
+def _resolve_optimizer(
+  optimizer: optax.GradientTransformation | None, train_config: ml_collections.ConfigDict
+) -> optax.GradientTransformation:
+  if optimizer is None:
+    return _optimizer.make_optimizer(train_config)
+  if not (
+    callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+  ):
+    raise ValueError(
+      "`optimizer` must be an optax.GradientTransformation (with init and update), got "
+      f"{type(optimizer).__name__}."
+    )
+  return optimizer

@@ -1,17 +1,21 @@
-"""The public surface of rlx.train."""
+"""The public surface of rlx.train and the train config's validation."""
 
+import ml_collections
 import pytest
 
 import rlx.train
+from rlx import objectives
 
 PUBLIC = (
   "BATCH_AXES",
   "MESH_AXES",
+  "CheckpointError",
   "Checkpointer",
   "FsdpGather",
   "ComputeLogprobs",
   "NonFiniteError",
   "Restored",
+  "ThroughputMeter",
   "TrainState",
   "TrainStep",
   "abstract_train_state",
@@ -36,16 +40,22 @@ PUBLIC = (
   "shard_params",
   "to_host",
   "train_state_shardings",
+  "update_counter",
+  "updates_per_step",
   "validate_config",
 )
 
 
-def test_public_names_are_exported():
+def test_public_names_are_exported_exactly():
+  assert sorted(rlx.train.__all__) == sorted(PUBLIC)
+  assert len(set(rlx.train.__all__)) == len(rlx.train.__all__)
   exported = {n for n in dir(rlx.train) if not n.startswith("_")}
-  missing = set(PUBLIC) - exported
-  assert not missing
-  # Nothing public beyond the list (private modules stay private).
-  assert exported - set(PUBLIC) == set()
+  # Nothing public beyond __all__ (private modules stay private).
+  assert exported == set(PUBLIC)
+  for name in PUBLIC:
+    assert getattr(rlx.train, name) is not None
+  # One sharding rule for the params: the policy's own.
+  assert rlx.train.param_shardings is rlx.policy.param_shardings
 
 
 def test_default_config_validates_and_names_bad_fields():
@@ -60,9 +70,82 @@ def test_default_config_validates_and_names_bad_fields():
     rlx.train.validate_config(config)
 
 
-def test_default_agg_is_the_losses_own_default():
+def test_config_is_locked_against_misspelt_fields():
+  config = rlx.train.get_config()
+  for name in ("loss_typo", "micro_batch", "kl_coeff"):
+    with pytest.raises(AttributeError, match="cannot be added since the config is locked"):
+      setattr(config, name, 1)
+  with pytest.raises(AttributeError, match="locked"):
+    config.optimizer.learning_rat = 1e-3
+  # The keyword sections stay open, as fields or as whole dicts.
+  config.loss_kwargs.clip_high = 0.28
+  config.rollout_correction_kwargs = {"level": "sequence"}
+  config.rollout_correction_kwargs.truncate = 4.0
+  rlx.train.validate_config(config)
+  # An unlocked copy with an extra or a missing field is still rejected by name.
+  loose = ml_collections.ConfigDict(config.to_dict())
+  loose.loss_typo = "gspo"
+  with pytest.raises(ValueError, match=r"unknown fields \['loss_typo'\]"):
+    rlx.train.validate_config(loose)
+  loose = ml_collections.ConfigDict(config.to_dict())
+  del loose.optimizer["b2"]
+  with pytest.raises(ValueError, match=r"config.optimizer` has unknown fields \[\] and lacks"):
+    rlx.train.validate_config(loose)
+
+
+@pytest.mark.parametrize(
+  "section, key, match",
+  [
+    ("loss_kwargs", "clip_hgh", r"config.loss_kwargs` has unknown keywords \['clip_hgh'\]"),
+    ("loss_kwargs", "agg", r"unknown keywords \['agg'\].*the step passes"),
+    ("bapo_kwargs", "rho", r"config.bapo_kwargs` has unknown keywords \['rho'\]"),
+    ("m2po_kwargs", "thresh", r"config.m2po_kwargs` has unknown keywords \['thresh'\]"),
+    ("rollout_correction_kwargs", "levle", r"unknown keywords \['levle'\]"),
+  ],
+)
+def test_kwargs_sections_name_unknown_keywords(section, key, match):
+  config = rlx.train.get_config()
+  config[section][key] = 1.0
+  with pytest.raises(ValueError, match=match):
+    rlx.train.validate_config(config)
+
+
+def test_aspo_entropy_is_an_extra_input_not_a_keyword():
+  config = rlx.train.get_config()
+  config.loss = "aspo"
+  config.loss_kwargs.entropy = 1.0
+  with pytest.raises(ValueError, match=r"unknown keywords \['entropy'\]"):
+    rlx.train.validate_config(config)
+
+
+def test_bapo_owns_the_losses_clip_keywords():
+  for loss, spec in objectives.POLICY_LOSS_SPECS.items():
+    config = rlx.train.get_config()
+    config.loss = loss
+    config.use_bapo = True
+    if {"clip_low", "clip_high"} <= set(spec.clip_keywords):
+      rlx.train.validate_config(config)
+      for keyword in spec.clip_keywords:
+        config.loss_kwargs = {keyword: 0.3}
+        with pytest.raises(ValueError, match=f"sets \\['{keyword}'\\], which BAPO sets"):
+          rlx.train.validate_config(config)
+    else:
+      with pytest.raises(ValueError, match="use_bapo` needs a loss whose registry spec"):
+        rlx.train.validate_config(config)
+  config = rlx.train.get_config()
+  config.loss = "gspo"  # no dual clip in its clip keywords
+  config.use_bapo = True
+  config.bapo_kwargs.dual_clip = 3.0
+  with pytest.raises(ValueError, match="has no dual clip"):
+    rlx.train.validate_config(config)
+
+
+def test_default_agg_is_the_registered_default_of_every_loss():
   config = rlx.train.get_config()
   assert config.agg == "default"
+  for loss, spec in objectives.POLICY_LOSS_SPECS.items():
+    config.loss = loss
+    assert rlx.train.resolve_agg(config) == spec.default_agg
   config.loss = "gspo"
   assert rlx.train.resolve_agg(config) == "seq-mean-token-mean"
   config.loss = "ppo"

@@ -61,7 +61,7 @@ def test_shard_params_and_optimizer_state_follow_partition_rules():
 
 
 def test_shard_params_rejects_wrong_structure():
-  with pytest.raises(ValueError, match="tree structure"):
+  with pytest.raises(ValueError, match="does not match the config: missing embed/embedding"):
     train.shard_params({"w": np.zeros(3)}, tl.model_config(), tl.mesh("data8"))
 
 

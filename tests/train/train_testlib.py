@@ -116,7 +116,9 @@ def prepare(batch: dict, m, state, compute_logprobs, *, rollout: bool = False, r
   return out
 
 
-def run_steps(layout: str, steps: int, *, start: int = 0, state=None, **overrides: Any):
+def run_steps(
+  layout: str, steps: int, *, start: int = 0, state=None, rollout: bool = False, **overrides: Any
+):
   """Runs `steps` train steps on batches `start..start+steps-1`; returns (state, metrics).
 
   old_logp comes from the layout's default-config `compute_logprobs` (the
@@ -128,7 +130,7 @@ def run_steps(layout: str, steps: int, *, start: int = 0, state=None, **override
     state = init_state(m, cfg)
   history = []
   for i in range(start, start + steps):
-    batch = prepare(make_batch(i), m, state, logprobs)
+    batch = prepare(make_batch(i), m, state, logprobs, rollout=rollout)
     state, metrics = step_fn(state, batch)
     history.append(train.to_host(metrics))
   return state, history

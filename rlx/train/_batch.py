@@ -1,0 +1,101 @@
+"""The train batch contract: keys, shapes, divisibility and token-id range.
+
+`check_batch` reads only shapes and dtypes, so it runs at trace time inside a
+jitted step as well as on host. `check_token_ids` reads values and runs on host
+before dispatch (under jit an id outside [0, vocab) would not raise: the
+embedding lookup clamps or fills it and the step trains on a wrong token or
+skips a NaN update).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rlx.train import _distributed, _placement
+
+REQUIRED_KEYS = ("tokens", "loss_mask", "advantages", "old_logp")
+OPTIONAL_KEYS = ("rollout_logp", "ref_logp", "positions", "segment_ids")
+TOKEN_SHAPED_KEYS = (
+  "loss_mask",
+  "old_logp",
+  "rollout_logp",
+  "ref_logp",
+  "positions",
+  "segment_ids",
+)
+
+
+def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_shards: int) -> None:
+  """Validates keys, shapes and dtypes of a train batch (no values are read).
+
+  Args:
+    batch: the batch dict (see `make_train_step`).
+    cfg: the train config.
+    num_shards: batch shards of the mesh (`batch_axis_size`).
+
+  Raises:
+    ValueError: naming the key and the expected shape.
+  """
+  unknown = sorted(set(batch) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
+  missing = [k for k in REQUIRED_KEYS if k not in batch]
+  if unknown or missing:
+    raise ValueError(
+      f"Batch keys: missing {missing}, unknown {unknown}; required {REQUIRED_KEYS}, "
+      f"optional {OPTIONAL_KEYS}."
+    )
+  tokens = batch["tokens"]
+  shape = tuple(np.shape(tokens))
+  if len(shape) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"`tokens` must be an int array [B, S], got {tokens.dtype}{shape}.")
+  _placement.check_not_empty(shape, "batch['tokens']")
+  for key in TOKEN_SHAPED_KEYS:
+    if key in batch and tuple(np.shape(batch[key])) != shape:
+      raise ValueError(
+        f"`{key}` must have the shape of `tokens` {shape}, got {np.shape(batch[key])}."
+      )
+  adv_shape = tuple(np.shape(batch["advantages"]))
+  if adv_shape not in (shape, shape[:1]):
+    raise ValueError(
+      f"`advantages` must have shape [B, S] = {shape} or [B] = {shape[:1]}, got {adv_shape}."
+    )
+  parts = cfg.mini_batches * cfg.micro_batches * num_shards
+  if shape[0] % parts:
+    raise ValueError(
+      f"Batch size {shape[0]} must be divisible by mini_batches ({cfg.mini_batches}) x "
+      f"micro_batches ({cfg.micro_batches}) x data x fsdp ({num_shards}) = {parts}."
+    )
+  needs_rollout = cfg.use_rollout_correction or cfg.use_m2po or cfg.use_vcpo
+  if needs_rollout and "rollout_logp" not in batch:
+    raise ValueError("`rollout_logp` is required by use_rollout_correction / use_m2po / use_vcpo.")
+  if cfg.kl_coef > 0 and "ref_logp" not in batch:
+    raise ValueError("`ref_logp` is required when kl_coef > 0 (see compute_logprobs).")
+
+
+def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
+  """Raises ValueError if any id of `tokens` is outside [0, vocab_size).
+
+  Host arrays are checked with numpy; a `jax.Array` by one small jitted
+  min/max reduction whose two numbers are fetched (it waits for `tokens`, not
+  for unrelated work). Padding must use a valid id too (e.g. 0 or the pad id):
+  every position goes through the embedding.
+  """
+  if isinstance(tokens, jax.Array):
+    low, high = (int(v) for v in _distributed.to_host(_min_max(tokens)))
+  else:
+    host = np.asarray(tokens)
+    low, high = int(host.min()), int(host.max())
+  if low < 0 or high >= vocab_size:
+    raise ValueError(
+      f"`{name}` ids must be in [0, vocab_size={vocab_size}), got min {low} and max {high} "
+      "(pad with a valid id such as 0; -1 or ids >= vocab_size would silently train on "
+      "another token or give NaN under jit)."
+    )
+
+
+@jax.jit
+def _min_max(tokens: jax.Array) -> jax.Array:
+  return jnp.stack([jnp.min(tokens), jnp.max(tokens)])

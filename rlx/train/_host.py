@@ -1,0 +1,142 @@
+"""`TrainStep`: the host side of the train step (checks, placement, dispatch, throughput).
+
+Everything that reads VALUES happens here, on host, before dispatch (token-id
+range), or after it only where asked for (`nonfinite="raise"`,
+`report_throughput=True`); the default call dispatches asynchronously and
+returns at once. The pure step itself is `TrainStep.step_fn`.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from rlx.train import _batch, _distributed, _mesh, _placement, _state, _throughput
+
+
+class NonFiniteError(FloatingPointError):
+  """A train step met a non-finite loss or gradient with `nonfinite="raise"`.
+
+  The update was skipped (params/optimizer state unchanged) before raising;
+  `state` and `metrics` hold the step's outputs so a caller can inspect or
+  continue.
+  """
+
+  def __init__(self, message: str, state: _state.TrainState, metrics: dict):
+    super().__init__(message)
+    self.state = state
+    self.metrics = metrics
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainStep:
+  """`train_step(state, batch) -> (state, metrics)`, from `make_train_step`.
+
+  Calling it checks the state (structure and shapes) and the batch (keys,
+  shapes, token ids in [0, vocab)) on host, places batch arrays not yet
+  sharded along the batch axes, and dispatches ONE jitted function
+  (`jitted`) with explicit in/out shardings that donates `state`. It returns
+  without waiting for the device (asynchronous dispatch), unless:
+    - `nonfinite == "raise"`: waits for the `skipped` metric and raises
+      `NonFiniteError` if an update was skipped;
+    - `report_throughput`: waits for the step and adds host-measured
+      `step_time_s` (wall time of the call, batch placement included; the first
+      call includes compilation), `tokens_per_second` (B * S /
+      step_time_s) and `loss_tokens_per_second` (valid loss tokens /
+      step_time_s), numpy float32 scalars.
+  Without a per-step wait, `throughput.read()` (a `ThroughputMeter`
+  recording every call) gives the same figures over the steps since the last
+  read, with one sync.
+
+  For use INSIDE another jitted function (e.g. a whole RL iteration), trace
+  `step_fn(state, batch)`: the same pure step, shapes checked at trace time,
+  no host checks, no placement, no donation of its own.
+
+  Attributes:
+    jitted: the jitted, sharded, donating step.
+    step_fn: the pure `step_fn(state, batch) -> (state, metrics)`.
+    mesh: the mesh of the state and batch.
+    config: the validated train config.
+    vocab_size: the policy's vocabulary size (token ids are checked against it).
+    abstract_state: the `TrainState` of `jax.ShapeDtypeStruct`s the step expects.
+    nonfinite: "skip" or "raise".
+    report_throughput: wait for each step and add the host-timed metrics.
+    throughput: the `ThroughputMeter` recording every call.
+  """
+
+  jitted: Any
+  step_fn: Callable[[_state.TrainState, dict], tuple[_state.TrainState, dict]]
+  mesh: Mesh
+  config: ml_collections.ConfigDict
+  vocab_size: int
+  abstract_state: _state.TrainState
+  nonfinite: str = "skip"
+  report_throughput: bool = False
+  throughput: _throughput.ThroughputMeter = dataclasses.field(
+    default_factory=_throughput.ThroughputMeter
+  )
+
+  def __call__(self, state: _state.TrainState, batch: Mapping[str, Any]):
+    start = time.perf_counter()
+    placed = self.check_and_place(state, batch)
+    state, metrics = self.jitted(state, placed)
+    b, s = placed["tokens"].shape
+    self.throughput.record(positions=b * s, loss_tokens=metrics["tokens"], done=metrics)
+    if self.report_throughput:
+      jax.block_until_ready(metrics)
+      elapsed = max(time.perf_counter() - start, 1e-9)
+      loss_tokens = float(_distributed.to_host(metrics["tokens"]))
+      metrics = dict(
+        metrics,
+        step_time_s=np.float32(elapsed),
+        tokens_per_second=np.float32(b * s / elapsed),
+        loss_tokens_per_second=np.float32(loss_tokens / elapsed),
+      )
+    if self.nonfinite == "raise":
+      skipped = int(_distributed.to_host(metrics["skipped"]))
+      if skipped:
+        raise NonFiniteError(
+          f"{skipped} optimizer update(s) of step {int(_distributed.to_host(metrics['step']))} "
+          "had a non-finite loss or gradient and were skipped.",
+          state,
+          metrics,
+        )
+    return state, metrics
+
+  def check_and_place(self, state: _state.TrainState, batch: Mapping[str, Any]) -> dict:
+    """The host checks of a call, then the batch placed on the mesh (no dispatch)."""
+    if not isinstance(state, _state.TrainState):
+      raise ValueError(
+        f"`state` must be a rlx.train.TrainState (create_train_state), got {type(state).__name__}."
+      )
+    if not isinstance(batch, Mapping):
+      raise ValueError(f"`batch` must be a dict of arrays, got {type(batch).__name__}.")
+    check_state(state, self.abstract_state)
+    _batch.check_batch(batch, self.config, _mesh.batch_axis_size(self.mesh))
+    _batch.check_token_ids(batch["tokens"], self.vocab_size, "batch['tokens']")
+    return _placement.place_batch(batch, self.mesh)
+
+  def lower(self, state: _state.TrainState, batch: Mapping[str, Any]):
+    """`jax.stages.Lowered` of the step (e.g. to inspect the compiled HLO)."""
+    return self.jitted.lower(state, _placement.place_batch(batch, self.mesh))
+
+
+def check_state(state: _state.TrainState, abstract: _state.TrainState) -> None:
+  """Raises ValueError naming the first leaf of `state` whose structure, shape or dtype differs."""
+  _mesh.check_same_structure(
+    state, abstract, "state", "the step's TrainState (same model config and optimizer?)"
+  )
+  for (path, leaf), want in zip(
+    jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(abstract), strict=True
+  ):
+    shape, dtype = tuple(np.shape(leaf)), getattr(leaf, "dtype", None)
+    if shape != tuple(want.shape) or dtype != want.dtype:
+      raise ValueError(
+        f"`state{jax.tree_util.keystr(path)}` is {dtype}{list(shape)}, the step expects "
+        f"{want.dtype}{list(want.shape)} (a state of another model config or optimizer?)."
+      )

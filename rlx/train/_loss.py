@@ -1,0 +1,86 @@
+"""The objective of one micro-batch: registry policy loss + KL penalty - entropy bonus.
+
+  loss = L_policy(logp, old_logp, A, m; agg_scale=Z) + kl_coef * agg(KL(logp || ref), Z)
+         - entropy_coef * agg(H, Z)
+
+with Z the mini-batch's denominator (`rlx.objectives.aggregate_scale`), so the
+micro-batch losses sum to the mini-batch's (gradient accumulation with the
+global token count, as verl's `agg_loss`). The policy loss is the registry
+entry `rlx.objectives.get_policy_loss_spec(config.loss)`: its extra inputs
+(e.g. ASPO's entropy) come from `spec.extra_inputs`, never from its name.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from rlx import objectives
+from rlx.train import _config, _forward, _gather
+
+# Extra loss inputs the step can provide, from the forward's outputs.
+_EXTRA_INPUTS = ("entropy",)
+
+
+def make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict, gather: _gather.FsdpGather):
+  """`loss_fn(params, micro, agg_scale, clip_kwargs) -> (loss, aux)` for one micro-batch.
+
+  Args:
+    model_config: the `rlx.policy.ModelConfig`.
+    cfg: the validated train config.
+    gather: the `FsdpGather` of the forward.
+
+  Returns:
+    The loss function; `aux` holds the loss terms, the masked entropy sum,
+    the valid-token count and the loss's `PolicyLossMetrics` as a dict.
+  """
+  spec = _config.loss_spec(cfg)
+  unsupported = sorted(set(spec.extra_inputs) - set(_EXTRA_INPUTS))
+  if unsupported:
+    raise ValueError(
+      f"Loss {cfg.loss!r} needs inputs {unsupported} that the train step cannot provide "
+      f"(it provides {_EXTRA_INPUTS})."
+    )
+  loss_kwargs = _config.to_kwargs(cfg.loss_kwargs)
+  agg = _config.resolve_agg(cfg)
+  kl_coef = float(cfg.kl_coef)
+  entropy_coef = float(cfg.entropy_coef)
+
+  def loss_fn(params, micro: dict, agg_scale: jax.Array, clip_kwargs: dict):
+    mask = micro["loss_mask"]
+    logp, entropy = _forward.batch_logprobs(params, micro, model_config, cfg, gather)
+    if entropy_coef == 0:
+      entropy = jax.lax.stop_gradient(entropy)
+    extra = {"entropy": jax.lax.stop_gradient(entropy)}
+    policy_loss, policy_metrics = spec.fn(
+      logp,
+      micro["old_logp"],
+      micro["advantages"],
+      mask,
+      is_weights=micro.get("is_weights"),
+      agg=agg,
+      agg_scale=agg_scale,
+      **loss_kwargs,
+      **clip_kwargs,
+      **{name: extra[name] for name in spec.extra_inputs},
+    )
+    entropy_loss = objectives.aggregate(entropy, mask, agg, scale=agg_scale)
+    loss = policy_loss - entropy_coef * entropy_loss
+    kl_loss = jnp.zeros((), jnp.float32)
+    if kl_coef > 0:
+      kl = objectives.kl_penalty(logp, micro["ref_logp"], cfg.kl_kind, mask=mask)
+      kl_loss = objectives.aggregate(kl, mask, agg, scale=agg_scale)
+      loss = loss + kl_coef * kl_loss
+    aux = {
+      "loss": loss,
+      "policy_loss": policy_loss,
+      "kl_loss": kl_loss,
+      "entropy_loss": entropy_loss,
+      "entropy": jnp.sum(jnp.where(mask, entropy, 0.0)),
+      "n_tokens": jnp.sum(mask).astype(jnp.float32),
+      "policy_metrics": policy_metrics._asdict(),
+    }
+    return loss, aux
+
+  return loss_fn
