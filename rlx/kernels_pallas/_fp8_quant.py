@@ -59,9 +59,18 @@ def _check_fp8_dtype(dtype) -> jnp.dtype:
 
 
 def _check_block(block, name: str) -> int:
-  if not isinstance(block, (int, np.integer)) or block <= 0:
+  if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block <= 0:
     raise ValueError(f"`{name}` must be a positive int, got {block!r}.")
   return int(block)
+
+
+def _check_matrix_and_block_pair(x, name: str, block) -> tuple[int, int]:
+  """Checks that `x` is `[K, N]` and `block` a pair of positive ints; returns the pair."""
+  if np.ndim(x) != 2:
+    raise ValueError(f"`{name}` must have rank 2 [K, N], got shape {tuple(np.shape(x))}.")
+  if not isinstance(block, (tuple, list)) or len(block) != 2:
+    raise ValueError(f"`block` must be a pair (bk, bn), got {block!r}.")
+  return _check_block(block[0], "block[0]"), _check_block(block[1], "block[1]")
 
 
 def _pad_to(x: Array, multiples: tuple[int, int]) -> Array:
@@ -93,12 +102,7 @@ def quantize_fp8_blockwise(
     `[ceil(K/bk), ceil(N/bn)]`, so that `w ~= w_q * w_scale` repeated per block.
   """
   dtype = _check_fp8_dtype(dtype)
-  if np.ndim(w) != 2:
-    raise ValueError(f"`w` must have rank 2 [K, N], got shape {tuple(np.shape(w))}.")
-  if not isinstance(block, (tuple, list)) or len(block) != 2:
-    raise ValueError(f"`block` must be a pair (bk, bn), got {block!r}.")
-  bk = _check_block(block[0], "block[0]")
-  bn = _check_block(block[1], "block[1]")
+  bk, bn = _check_matrix_and_block_pair(w, "w", block)
   k, n = w.shape
   kb, nb = -(-k // bk), -(-n // bn)
   fmax = fp8_max(dtype)
@@ -155,12 +159,7 @@ def dequantize_fp8_blockwise(
   Returns:
     float32 `[K, N]`.
   """
-  if np.ndim(w_q) != 2:
-    raise ValueError(f"`w_q` must have rank 2 [K, N], got shape {tuple(np.shape(w_q))}.")
-  if not isinstance(block, (tuple, list)) or len(block) != 2:
-    raise ValueError(f"`block` must be a pair (bk, bn), got {block!r}.")
-  bk = _check_block(block[0], "block[0]")
-  bn = _check_block(block[1], "block[1]")
+  bk, bn = _check_matrix_and_block_pair(w_q, "w_q", block)
   k, n = w_q.shape
   want = (-(-k // bk), -(-n // bn))
   if tuple(np.shape(w_scale)) != want:

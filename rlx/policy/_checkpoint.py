@@ -5,7 +5,11 @@ or shards `model-0000k-of-0000n.safetensors` listed in
 `model.safetensors.index.json`. HF linear weights are `[out, in]`; rlx kernels
 are `[in, out]` and per-layer tensors are stacked on a leading `[L]` axis.
 Conversion is a transpose and a stack, so a load/save round trip is bitwise
-lossless in the checkpoint's dtype.
+lossless in the checkpoint's dtype. File layout: the safetensors format
+(https://github.com/huggingface/safetensors) and transformers' sharded
+checkpoints (`save_pretrained(max_shard_size=...)`, whose index maps each tensor
+name to its shard in `weight_map`). Every unreadable or inconsistent file is an
+error naming that file.
 """
 
 import json
@@ -81,30 +85,83 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def _tensor_files(path: str) -> list[str]:
+def _read_json(file: str) -> Any:
+  """Parsed JSON of `file`; a ValueError naming the file when it is not valid JSON."""
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{file} is not valid JSON: {e}") from e
+
+
+def _tensor_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+  """The safetensors files of a checkpoint, and the index's weight map (None without index)."""
   index = os.path.join(path, INDEX_FILE)
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    content = _read_json(index)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise ValueError(
+        f"{index} has no `weight_map` (a non-empty dict tensor name -> shard file), got "
+        f"{weight_map!r}" + ("." if isinstance(content, dict) else f" in {type(content).__name__}.")
+      )
+    bad = sorted(
+      {
+        repr(f)
+        for f in weight_map.values()
+        if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", "..")
+      }
+    )
+    if bad:
+      raise ValueError(f"{index} maps tensors to invalid shard file names {bad}.")
     files = sorted(set(weight_map.values()))
     missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
     if missing:
-      raise ValueError(f"{INDEX_FILE} in {path} lists shard files that do not exist: {missing}.")
-    return [os.path.join(path, f) for f in files]
+      raise ValueError(f"{index} lists shard files that do not exist: {missing}.")
+    return [os.path.join(path, f) for f in files], weight_map
   single = os.path.join(path, SINGLE_FILE)
   if os.path.exists(single):
-    return [single]
+    return [single], None
   files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
   if not files:
     raise ValueError(f"No *.safetensors files in checkpoint directory {path}.")
-  return [os.path.join(path, f) for f in files]
+  return [os.path.join(path, f) for f in files], None
 
 
-def _read_tensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+def _read_tensors(
+  files: list[str], weight_map: dict[str, str] | None
+) -> Iterator[tuple[str, np.ndarray]]:
+  """(name, array) of every tensor; errors name the file (truncated, duplicated, unlisted)."""
+  seen: dict[str, str] = {}
   for file in files:
-    with safe_open(file, framework="numpy") as f:
-      for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-        yield name, f.get_tensor(name)
+    try:
+      with safe_open(file, framework="numpy") as f:
+        names = list(f.keys())
+        arrays = ((name, f.get_tensor(name)) for name in names)
+        for name, array in arrays:
+          if name in seen:
+            raise ValueError(f"tensor {name} is stored twice, in {seen[name]} and in {file}.")
+          seen[name] = file
+          if weight_map is not None and weight_map.get(name) != os.path.basename(file):
+            listed = weight_map.get(name)
+            where = f"in {listed}" if listed else "nowhere"
+            raise ValueError(f"{file} holds tensor {name}, which {INDEX_FILE} places {where}.")
+          yield name, array
+    except ValueError:
+      raise
+    except Exception as e:  # safetensors raises its own error types (truncated header/data)
+      raise ValueError(
+        f"Cannot read safetensors file {file} (truncated or corrupt?): {type(e).__name__}: {e}"
+      ) from e
+  if weight_map is not None:
+    absent = sorted(n for n in weight_map if n not in seen)
+    if absent:
+      raise ValueError(
+        f"{INDEX_FILE} lists tensors that their shard files do not hold: "
+        + ", ".join(f"{n} ({weight_map[n]})" for n in absent[:10])
+        + (f" and {len(absent) - 10} more" if len(absent) > 10 else "")
+        + "."
+      )
 
 
 def load_hf_checkpoint(
@@ -128,24 +185,32 @@ def load_hf_checkpoint(
     (config, params) with params as described in `rlx.policy` (stacked layers).
 
   Raises:
-    ValueError: unsupported architecture/field, or missing / unexpected /
-      mis-shaped tensors (all of them named in one message).
+    ValueError: unsupported architecture/field (naming config.json), an
+      unreadable file (invalid JSON, an index without `weight_map`, a truncated
+      or corrupt safetensors file, a tensor stored twice or not where the index
+      says: each naming the file), or missing / unexpected / mis-shaped
+      tensors (all of them named in one message).
   """
   path = os.fspath(path)
   config_file = os.path.join(path, "config.json")
   if not os.path.exists(config_file):
     raise ValueError(f"No config.json in checkpoint directory {path}.")
-  with open(config_file) as f:
-    hf_config = json.load(f)
-  config = ModelConfig.from_hf_config(hf_config, param_dtype=dtype, compute_dtype=compute_dtype)
+  hf_config = _read_json(config_file)
+  try:
+    config = ModelConfig.from_hf_config(hf_config, param_dtype=dtype, compute_dtype=compute_dtype)
+  except ValueError as e:
+    raise ValueError(f"{config_file}: {e}") from e
   np_dtype = np.dtype(getattr(ml_dtypes, config.param_dtype, config.param_dtype))
 
   want = hf_tensor_shapes(config)
   tensors: dict[str, np.ndarray] = {}
   unexpected: list[str] = []
   extra_head = None
-  for name, array in _read_tensors(_tensor_files(path)):
+  for name, array in _read_tensors(*_tensor_files(path)):
     if name.endswith(_IGNORED_SUFFIXES):
+      continue
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+      unexpected.append(f"{name} with non-float dtype {array.dtype}")
       continue
     if name == "lm_head.weight" and config.tie_embeddings:
       extra_head = array  # some writers store the tied head too; must equal the embedding
@@ -165,7 +230,10 @@ def load_hf_checkpoint(
     unexpected.append("lm_head.weight (differs from the tied embedding)")
   problems = []
   if missing:
-    problems.append("missing tensors: " + ", ".join(missing))
+    hint = ""
+    if "lm_head.weight" in want and "lm_head.weight" not in tensors:
+      hint = " (config.json has tie_word_embeddings=false, so the LM head is its own tensor)"
+    problems.append("missing tensors: " + ", ".join(missing) + hint)
   if unexpected:
     problems.append("unexpected tensors: " + ", ".join(unexpected))
   if misshaped:

@@ -5,11 +5,18 @@ static argument. It is built from a Hugging Face `config.json` dict with
 `ModelConfig.from_hf_config` and written back with `to_hf_config`; anything in
 the HF config that this implementation would compute differently (sliding
 window attention, rope types other than llama3, MLP biases, quantized weights,
-activations other than SiLU, ...) is rejected with an error naming the field,
-never silently ignored.
+activations other than SiLU, dropout, ...) is rejected with an error naming the
+field, never silently ignored. Fields that contradict each other (the legacy
+`rope_theta` / `rope_scaling` against `rope_parameters`, `dtype` against
+`torch_dtype`) are an error naming both; a field that is absent takes the
+transformers default of that model type (`transformers.Qwen2Config`,
+`Qwen3Config`, `LlamaConfig`) with a warning naming it, so the model is the one
+`transformers` would build from the same file.
 """
 
 import dataclasses
+import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +32,44 @@ _ARCHITECTURES = {
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+# transformers' defaults for the config.json fields that change the computation, per
+# model type (the class defaults of Qwen2Config / Qwen3Config / LlamaConfig, transformers
+# 5.x). `None` for num_key_value_heads: as many as the query heads (multi-head
+# attention); `None` for head_dim: hidden_size / num_attention_heads.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+  "qwen2": dict(
+    num_key_value_heads=32, head_dim=None, rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False, max_position_embeddings=32768,
+  ),
+  "qwen3": dict(
+    num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False, max_position_embeddings=32768, attention_bias=False,
+  ),
+  "llama": dict(
+    num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False, max_position_embeddings=2048, attention_bias=False,
+  ),
+}  # fmt: skip
+
+# Keys a rope parameter dict may hold (rope_type "default" uses only the first three).
+_ROPE_KEYS = ("rope_type", "rope_theta", "partial_rotary_factor")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive_real(value: Any, name: str) -> float:
+  """float(value) for a finite real > 0, else a ValueError naming `name`."""
+  if not _is_real(value) or not math.isfinite(value) or value <= 0:
+    raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
+  return float(value)
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -32,13 +77,33 @@ class RopeScaling:
 
   Wavelengths longer than `original_max_position_embeddings / low_freq_factor`
   are divided by `factor`, shorter than `... / high_freq_factor` are kept, and
-  the band between is interpolated smoothly (Meta's Llama 3.1 reference).
+  the band between is interpolated smoothly: `apply_scaling` of Meta's reference
+  (https://github.com/meta-llama/llama-models, Llama 3.1; The Llama 3 Herd of
+  Models, https://arxiv.org/abs/2407.21783), transformers'
+  `_compute_llama3_parameters`. RoPE itself: RoFormer,
+  https://arxiv.org/abs/2104.09864.
   """
 
   factor: float
   low_freq_factor: float
   high_freq_factor: float
   original_max_position_embeddings: int
+
+  def __post_init__(self):
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+      value = _check_positive_real(getattr(self, name), f"rope_scaling.{name}")
+      object.__setattr__(self, name, value)
+    if self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(
+        "llama3 rope scaling needs high_freq_factor > low_freq_factor (the band between "
+        f"the two wavelengths is interpolated); got high_freq_factor={self.high_freq_factor}, "
+        f"low_freq_factor={self.low_freq_factor}."
+      )
+    value = self.original_max_position_embeddings
+    if not _is_int(value) or value <= 0:
+      raise ValueError(
+        f"`rope_scaling.original_max_position_embeddings` must be a positive int, got {value!r}."
+      )
 
   def to_hf(self) -> dict[str, Any]:
     return {
@@ -73,9 +138,9 @@ class ModelConfig:
     num_kv_heads: key/value heads Hkv (GQA); H must be a multiple of Hkv.
     head_dim: per-head width Dh (Qwen3 decouples it from hidden_size / H).
     intermediate_size: SwiGLU MLP width.
-    rope_theta: RoPE base.
+    rope_theta: RoPE base (finite, > 0).
     rope_scaling: None or `RopeScaling` (llama3 scaling).
-    rms_norm_eps: epsilon of every RMSNorm.
+    rms_norm_eps: epsilon of every RMSNorm (finite, > 0).
     attention_bias: whether q/k/v projections have biases (Qwen2: always).
     attention_out_bias: whether the output projection has a bias (Llama and
       Qwen3 with `attention_bias`; never Qwen2).
@@ -138,12 +203,33 @@ class ModelConfig:
       raise ValueError(f"`head_dim` must be even for RoPE, got {self.head_dim}.")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"`rope_scaling` must be None or RopeScaling, got {self.rope_scaling!r}.")
+    if not _is_int(self.max_position_embeddings) or self.max_position_embeddings <= 0:
+      raise ValueError(
+        f"`max_position_embeddings` must be a positive int, got {self.max_position_embeddings!r}."
+      )
+    # Non-positive eps / theta give NaN or inf (rsqrt(0), 0 ** -x) only later, in the logits.
+    object.__setattr__(self, "rope_theta", _check_positive_real(self.rope_theta, "rope_theta"))
+    object.__setattr__(
+      self, "rms_norm_eps", _check_positive_real(self.rms_norm_eps, "rms_norm_eps")
+    )
+    for name in ("attention_bias", "attention_out_bias", "qk_norm", "tie_embeddings", "remat"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+      value = getattr(self, name)
+      ids = value if isinstance(value, tuple) and name == "eos_token_id" else (value,)
+      if value is None or (ids and all(_is_int(i) for i in ids)):
+        continue
+      raise ValueError(f"`{name}` must be None or an int (eos: or a list of ints), got {value!r}.")
+    for name in ("bos_token_id", "eos_token_id"):  # the sampler stops on / starts with these
+      value = getattr(self, name)
+      for i in value if isinstance(value, tuple) else (value,):
+        if i is not None and not 0 <= i < self.vocab_size:
+          raise ValueError(f"`{name}` {i} is outside the vocabulary [0, {self.vocab_size}).")
     object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype, "param_dtype"))
     object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype, "compute_dtype"))
-    object.__setattr__(self, "rope_theta", float(self.rope_theta))
-    object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
 
   @property
   def num_query_groups(self) -> int:
@@ -178,8 +264,29 @@ class ModelConfig:
   ) -> "ModelConfig":
     """Builds a config from a Hugging Face `config.json` dict.
 
-    Accepts both the transformers>=5 layout (`rope_parameters`) and the older
-    one (`rope_theta` + `rope_scaling`).
+    Every field read is checked (type, range) and named in the error. Resolution
+    rules, matching what `transformers` builds from the same file:
+
+    - Rope: the transformers>=5 layout (`rope_parameters`) and the older one
+      (`rope_theta` + `rope_scaling`) are both read; when a file holds both
+      (as `to_hf_config` writes, for 4.x readers) they must agree, else a
+      ValueError names the disagreeing fields (transformers itself prefers one
+      or the other depending on whether `rope_scaling` is set).
+    - `dtype` and its legacy name `torch_dtype` must agree when both are set.
+    - `num_key_value_heads`: null means as many as the query heads; absent,
+      the model type's transformers default (32 for qwen2 / qwen3, the query
+      heads for llama).
+    - `head_dim`: absent or null means `hidden_size / num_attention_heads`
+      (which must divide) for qwen2 / llama, 128 for qwen3 (Qwen3Config's
+      default); an explicit value may differ from the ratio (Qwen3 and Llama
+      decouple it).
+    - Absent `rms_norm_eps`, `rope_theta`, `tie_word_embeddings`,
+      `max_position_embeddings`, `attention_bias`: transformers' default of the
+      model type. Every absent field that changes the computation is named in
+      one warning.
+    - Required (an absent one is an error): `model_type`, `vocab_size`,
+      `hidden_size`, `intermediate_size`, `num_hidden_layers`,
+      `num_attention_heads` (transformers' defaults describe a 7B model).
 
     Args:
       hf: the parsed config.json.
@@ -191,8 +298,13 @@ class ModelConfig:
       The `ModelConfig`.
 
     Raises:
-      ValueError: naming the unsupported architecture or field.
+      ValueError: naming the unsupported architecture, the unsupported, missing,
+        mistyped, out-of-range or contradicting field(s).
     """
+    if not isinstance(hf, Mapping):
+      raise ValueError(
+        f"The HF config must be a dict (parsed config.json), got {type(hf).__name__}."
+      )
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
       raise ValueError(
@@ -200,6 +312,8 @@ class ModelConfig:
         f"rlx.policy supports {FAMILIES} ({', '.join(_ARCHITECTURES.values())})."
       )
     architectures = hf.get("architectures") or [_ARCHITECTURES[model_type]]
+    if isinstance(architectures, str) or not isinstance(architectures, (list, tuple)):
+      raise ValueError(f"config.json field architectures must be a list, got {architectures!r}.")
     bad = [a for a in architectures if a != _ARCHITECTURES[model_type]]
     if bad:
       raise ValueError(
@@ -207,63 +321,141 @@ class ModelConfig:
         f"expected {_ARCHITECTURES[model_type]!r}."
       )
 
-    def reject(field: str, ok: Any) -> None:
-      if field in hf and hf[field] not in ok:
+    def reject(field: str, ok: tuple[Any, ...]) -> None:
+      # Type-exact comparison: 0 must not pass for False, nor 1 for True.
+      value = hf.get(field)
+      if field in hf and not any(type(value) is type(v) and value == v for v in ok):
         raise ValueError(
           f"Unsupported config.json field {field}={hf[field]!r} for {model_type}; "
           f"supported values: {list(ok)}."
         )
 
-    reject("hidden_act", ("silu",))
+    reject("hidden_act", ("silu", "swish"))
     reject("use_sliding_window", (False, None))
     reject("mlp_bias", (False, None))
-    reject("partial_rotary_factor", (1.0, None))
+    reject("partial_rotary_factor", (1.0, 1, None))
     reject("quantization_config", (None,))
-    layer_types = hf.get("layer_types") or []
-    bad_layers = sorted({t for t in layer_types if t != "full_attention"})
-    if bad_layers:
-      raise ValueError(
-        f"Unsupported config.json field layer_types containing {bad_layers}; "
-        "only 'full_attention' layers are supported."
+    reject("attention_dropout", (0.0, 0, None))  # rlx has no dropout
+    reject("use_mrope", (False, None))
+    if model_type == "qwen2":
+      # transformers' Qwen2Attention always has q/k/v biases and ignores this field.
+      reject("attention_bias", (True, None))
+
+    defaults = _HF_DEFAULTS[model_type]
+    defaulted: dict[str, Any] = {}
+
+    def field(
+      name: str, check, expected: str, *, required: bool = False, nullable: bool = False
+    ) -> Any:
+      if name not in hf:
+        if required:
+          raise ValueError(f"config.json lacks the required field {name!r} ({model_type}).")
+        defaulted[name] = defaults[name]
+        return defaults[name]
+      value = hf[name]
+      if value is None and nullable:
+        return None
+      if not check(value):
+        raise ValueError(f"config.json field {name} must be {expected}, got {value!r}.")
+      return value
+
+    positive_int = lambda v: _is_int(v) and v > 0  # noqa: E731
+    sizes = {
+      name: field(name, positive_int, "a positive int", required=True)
+      for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
       )
-
-    rope_theta, rope_scaling = _parse_rope(hf, model_type)
-
-    num_heads = int(hf["num_attention_heads"])
-    num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
-    head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
+    }
+    num_heads = sizes["num_attention_heads"]
+    num_kv_heads = field(
+      "num_key_value_heads", positive_int, "a positive int or null", nullable=True
+    )
+    if num_kv_heads is None:
+      num_kv_heads = num_heads
+    head_dim = field("head_dim", positive_int, "a positive int or null", nullable=True)
+    if head_dim is None:
+      if sizes["hidden_size"] % num_heads:
+        raise ValueError(
+          f"config.json has no head_dim and hidden_size={sizes['hidden_size']} is not a "
+          f"multiple of num_attention_heads={num_heads}; set head_dim."
+        )
+      head_dim = sizes["hidden_size"] // num_heads
+    rms_norm_eps = field(
+      "rms_norm_eps", lambda v: _is_real(v) and math.isfinite(v) and v > 0, "a finite number > 0"
+    )
+    tie = field("tie_word_embeddings", lambda v: isinstance(v, bool), "true or false")
+    max_positions = field("max_position_embeddings", positive_int, "a positive int")
     if model_type == "qwen2":
       attention_bias, attention_out_bias = True, False
     else:
-      attention_bias = attention_out_bias = bool(hf.get("attention_bias", False))
+      attention_bias = attention_out_bias = field(
+        "attention_bias", lambda v: isinstance(v, bool), "true or false"
+      )
 
-    dtype = param_dtype
-    if dtype is None:
-      dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    eos = hf.get("eos_token_id")
-    return cls(
-      family=model_type,
-      vocab_size=int(hf["vocab_size"]),
-      hidden_size=int(hf["hidden_size"]),
-      num_layers=int(hf["num_hidden_layers"]),
-      num_heads=num_heads,
-      num_kv_heads=num_kv_heads,
-      head_dim=int(head_dim),
-      intermediate_size=int(hf["intermediate_size"]),
-      rope_theta=rope_theta,
-      rope_scaling=rope_scaling,
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      attention_bias=attention_bias,
-      attention_out_bias=attention_out_bias,
-      qk_norm=model_type == "qwen3",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-      bos_token_id=hf.get("bos_token_id"),
-      eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-      pad_token_id=hf.get("pad_token_id"),
-      param_dtype=dtype,
-      compute_dtype=compute_dtype if compute_dtype is not None else dtype,
-    )
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+      if not isinstance(layer_types, (list, tuple)):
+        raise ValueError(f"config.json field layer_types must be a list, got {layer_types!r}.")
+      bad_layers = sorted({str(t) for t in layer_types if t != "full_attention"})
+      if bad_layers:
+        raise ValueError(
+          f"Unsupported config.json field layer_types containing {bad_layers}; "
+          "only 'full_attention' layers are supported."
+        )
+      if len(layer_types) != sizes["num_hidden_layers"]:
+        raise ValueError(
+          f"config.json field layer_types has {len(layer_types)} entries but "
+          f"num_hidden_layers={sizes['num_hidden_layers']}."
+        )
+
+    rope_theta, rope_scaling = _parse_rope(hf, model_type, defaulted)
+
+    dtype = _checkpoint_dtype(hf)  # checked even when overridden
+    if param_dtype is not None:
+      dtype = param_dtype
+    # head_dim = hidden_size / num_attention_heads is a derivation (checked above), not a guess.
+    warn = {k: v for k, v in defaulted.items() if not (k == "head_dim" and v is None)}
+    if warn.get("num_key_value_heads", 0) is None:
+      warn["num_key_value_heads"] = f"num_attention_heads = {num_heads}"
+    if warn:
+      warnings.warn(
+        f"config.json ({model_type}) lacks "
+        + ", ".join(f"{k} (using {v})" for k, v in warn.items())
+        + f": transformers' {_ARCHITECTURES[model_type].replace('ForCausalLM', 'Config')} "
+        "defaults.",
+        stacklevel=2,
+      )
+    try:
+      return cls(
+        family=model_type,
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        num_layers=sizes["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=sizes["intermediate_size"],
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=rms_norm_eps,
+        attention_bias=attention_bias,
+        attention_out_bias=attention_out_bias,
+        qk_norm=model_type == "qwen3",
+        tie_embeddings=tie,
+        max_position_embeddings=max_positions,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        param_dtype=dtype,
+        compute_dtype=compute_dtype if compute_dtype is not None else dtype,
+      )
+    except ValueError as e:
+      note = f" (absent, so transformers' defaults: {defaulted})" if defaulted else ""
+      raise ValueError(f"config.json ({model_type}) gives an invalid config{note}: {e}") from e
 
   def to_hf_config(self) -> dict[str, Any]:
     """The HF `config.json` dict (transformers>=5 layout, also read by 4.x)."""
@@ -319,41 +511,101 @@ class ModelConfig:
     return hf
 
 
-def _parse_rope(hf: Mapping[str, Any], model_type: str) -> tuple[float, RopeScaling | None]:
-  """Returns (rope_theta, rope_scaling) from either HF config layout."""
-  params = hf.get("rope_parameters")
-  if params is None:
-    params = dict(hf.get("rope_scaling") or {})
-    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-  params = dict(params)
-  if "rope_type" not in params and "type" in params:
-    params["rope_type"] = params["type"]
-  rope_type = params.get("rope_type", "default")
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-  if params.get("partial_rotary_factor", 1.0) != 1.0:
+def _checkpoint_dtype(hf: Mapping[str, Any]) -> str:
+  """The checkpoint dtype from `dtype` / legacy `torch_dtype` (must agree), else float32."""
+  values = {k: hf[k] for k in ("dtype", "torch_dtype") if hf.get(k) is not None}
+  names = {}
+  for key, value in values.items():
+    try:
+      names[key] = _dtype_name(value, key)
+    except ValueError as e:
+      raise ValueError(f"config.json field {key}={value!r}: {e}") from e
+  if len(set(names.values())) > 1:
     raise ValueError(
-      f"Unsupported rope partial_rotary_factor={params['partial_rotary_factor']!r} "
-      f"for {model_type}."
+      f"config.json fields dtype={values['dtype']!r} and torch_dtype={values['torch_dtype']!r} "
+      "disagree; keep one."
     )
+  return next(iter(names.values()), "float32")
+
+
+def _rope_dict(value: Any, name: str) -> dict[str, Any]:
+  """A rope parameter dict with `type` folded into `rope_type`; checks its keys."""
+  if not isinstance(value, Mapping):
+    raise ValueError(f"config.json field {name} must be a dict, got {value!r}.")
+  params = dict(value)
+  if "full_attention" in params and isinstance(params["full_attention"], Mapping):
+    # transformers 5 layout keyed by layer type; only full attention is supported.
+    if set(params) != {"full_attention"}:
+      raise ValueError(f"Unsupported {name} for layer types {sorted(params)}.")
+    params = dict(params["full_attention"])
+  if "type" in params:
+    legacy = params.pop("type")
+    if params.setdefault("rope_type", legacy) != legacy:
+      raise ValueError(
+        f"config.json field {name} has type={legacy!r} and rope_type={params['rope_type']!r}."
+      )
+  unknown = sorted(set(params) - set(_ROPE_KEYS) - set(_LLAMA3_KEYS))
+  if unknown:
+    raise ValueError(f"Unsupported keys {unknown} in config.json field {name}.")
+  return params
+
+
+def _parse_rope(
+  hf: Mapping[str, Any], model_type: str, defaulted: dict[str, Any]
+) -> tuple[float, RopeScaling | None]:
+  """Returns (rope_theta, rope_scaling) from either HF layout, checking they agree.
+
+  Adds `rope_theta` to `defaulted` when no layout sets it.
+  """
+  params = {}
+  if hf.get("rope_parameters") is not None:
+    params = _rope_dict(hf["rope_parameters"], "rope_parameters")
+  legacy = {}
+  if hf.get("rope_scaling") is not None:
+    legacy = _rope_dict(hf["rope_scaling"], "rope_scaling")
+  if hf.get("rope_theta") is not None:
+    if "rope_theta" in legacy and legacy["rope_theta"] != hf["rope_theta"]:
+      raise ValueError(
+        f"config.json fields rope_theta={hf['rope_theta']!r} and "
+        f"rope_scaling.rope_theta={legacy['rope_theta']!r} disagree."
+      )
+    legacy["rope_theta"] = hf["rope_theta"]
+  if params and (legacy or "rope_scaling" in hf):
+    # Both layouts: every value the legacy one states must match rope_parameters, and
+    # an explicit `rope_scaling: null` means no scaling.
+    if "rope_scaling" in hf and hf["rope_scaling"] is None:
+      legacy.setdefault("rope_type", "default")
+    for key, value in legacy.items():
+      have = params.get(key, "default" if key == "rope_type" else None)
+      if have != value:
+        from_top = key == "rope_theta" and hf.get("rope_theta") is not None
+        source = "rope_theta" if from_top else f"rope_scaling.{key}"
+        raise ValueError(
+          f"config.json fields {source}={value!r} and rope_parameters.{key}={have!r} "
+          "disagree; keep one rope layout (transformers resolves such a file differently "
+          "depending on which fields are set)."
+        )
+  params = params or legacy
+  if "rope_theta" not in params:
+    params["rope_theta"] = defaulted["rope_theta"] = _HF_DEFAULTS[model_type]["rope_theta"]
+  theta = params["rope_theta"]
+  if not _is_real(theta) or not math.isfinite(theta) or theta <= 0:
+    raise ValueError(f"config.json rope_theta={theta!r} must be a finite number > 0.")
+  factor = params.get("partial_rotary_factor", 1.0)
+  if factor != 1.0 or isinstance(factor, bool):
+    raise ValueError(f"Unsupported rope partial_rotary_factor={factor!r} for {model_type}.")
+  rope_type = params.get("rope_type", "default")
   if rope_type in ("default", None):
-    return theta, None
+    extra = sorted(set(params) & set(_LLAMA3_KEYS))
+    if extra:
+      raise ValueError(f"Rope type 'default' takes no scaling, but the config sets {extra}.")
+    return float(theta), None
   if rope_type != "llama3":
     raise ValueError(
       f"Unsupported rope_scaling type {rope_type!r} for {model_type}; "
       "supported: 'default' (none) and 'llama3'."
     )
-  missing = [
-    k
-    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    if k not in params
-  ]
+  missing = [k for k in _LLAMA3_KEYS if k not in params]
   if missing:
     raise ValueError(f"llama3 rope_scaling is missing fields {missing}.")
-  if params["high_freq_factor"] == params["low_freq_factor"]:
-    raise ValueError("llama3 rope_scaling needs high_freq_factor != low_freq_factor.")
-  return theta, RopeScaling(
-    factor=float(params["factor"]),
-    low_freq_factor=float(params["low_freq_factor"]),
-    high_freq_factor=float(params["high_freq_factor"]),
-    original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-  )
+  return float(theta), RopeScaling(**{k: params[k] for k in _LLAMA3_KEYS})

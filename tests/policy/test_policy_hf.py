@@ -17,6 +17,7 @@ of the largest logit; the test allows
 import copy
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -338,3 +339,33 @@ def test_bf16_checkpoint_dtype_is_kept(checkpoints, tmp_path):
     np.asarray(params32["embed"]["embedding"]),
     np.asarray(params["embed"]["embedding"]).astype(np.float32),
   )
+
+
+def test_transformers_written_configs_load_without_defaulted_fields(checkpoints):
+  for directory, _ in checkpoints.values():
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      policy.load_hf_checkpoint(directory)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_absent_fields_resolve_like_transformers(family):
+  # A config.json with only the required sizes: rlx and transformers must build the same
+  # model (transformers fills absent fields with its config class defaults).
+  minimal = dict(
+    model_type=family, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=32,
+  )  # fmt: skip
+  hf = getattr(transformers, _MODEL_CLASSES[family].replace("ForCausalLM", "Config"))(**minimal)
+  with pytest.warns(UserWarning, match="num_key_value_heads"):
+    ours = policy.ModelConfig.from_hf_config(minimal)
+  head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+  assert ours.num_kv_heads == hf.num_key_value_heads
+  assert ours.head_dim == head_dim
+  assert ours.rms_norm_eps == hf.rms_norm_eps
+  assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+  assert ours.rope_scaling is None and hf.rope_parameters["rope_type"] == "default"
+  assert ours.tie_embeddings == hf.tie_word_embeddings
+  assert ours.max_position_embeddings == hf.max_position_embeddings
+  if family != "qwen2":
+    assert ours.attention_bias == hf.attention_bias
