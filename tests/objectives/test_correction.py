@@ -205,12 +205,29 @@ class RolloutCorrectionTest(chex.TestCase):
   def test_extreme_log_ratios_are_finite(self):
     old = jnp.zeros((2, 3))
     rollout = jnp.array([[1e4, -1e4, 0.0], [-1e4, -1e4, 5.0]])
+    # Clamped log rho = old - rollout: (-20, 20, 0 | 20, 20, -5).
+    log_rho = np.array([[-20.0, 20.0, 0.0], [20.0, 20.0, -5.0]])
+    k3 = np.mean(np.exp(log_rho) - 1 - log_rho)  # huge: severity = 1
     for level in ("token", "sequence"):
       w, _, m = obj.rollout_correction(
         old, rollout, jnp.ones((2, 3)), level=level, adaptive=True, renormalize=True
       )
       assert np.all(np.isfinite(w))
       assert all(np.isfinite(x) for x in m)
+      # The same pipeline in float64 by hand.
+      if level == "token":
+        raw = np.exp(log_rho).ravel()
+      else:
+        raw = np.exp(np.clip(log_rho.sum(axis=1), -20, 20))  # e^0 and e^20
+      trunc = np.minimum(raw, 2.0)
+      lam = (1 - np.exp(-k3 / 1e-3)) * _ess(raw) * _ess(trunc)
+      mixed = 1 + lam * (trunc - 1)
+      want = mixed / mixed.mean()
+      want = want.reshape(2, 3) if level == "token" else np.repeat(want[:, None], 3, axis=1)
+      np.testing.assert_allclose(m.mismatch_k3, k3, rtol=1e-5)
+      np.testing.assert_allclose(m.ais_lambda, lam, rtol=1e-4)
+      np.testing.assert_allclose(m.ess_raw, _ess(raw), rtol=1e-4)
+      np.testing.assert_allclose(w, want, rtol=1e-4)
 
   def test_bfloat16_inputs(self):
     w, _, m = obj.rollout_correction(

@@ -92,7 +92,19 @@ class KlPenaltyTest(chex.TestCase):
     logp = jnp.array([[1e4, -1e4, 0.0]])
     ref = jnp.zeros((1, 3))
     value, grad = jax.value_and_grad(lambda lp: jnp.sum(obj.kl_penalty(lp, ref, kind)))(logp)
-    assert np.isfinite(value) and np.all(np.isfinite(grad))
+    # Delta = (1e4, -1e4, 0). k3 is clamped to 10 at both extremes (no gradient
+    # there) and is 0 with zero gradient at Delta = 0; k3+ has k3's value and
+    # k2's gradient Delta.
+    want_value, want_grad = {
+      "k1": (0.0, [1.0, 1.0, 1.0]),
+      "abs": (2e4, [1.0, -1.0, 1.0]),  # JAX: d|x|/dx = 1 at x = 0
+      "k2": (1e8, [1e4, -1e4, 0.0]),
+      "k3": (20.0, [0.0, 0.0, 0.0]),
+      "low_var_kl": (20.0, [0.0, 0.0, 0.0]),
+      "k3+": (20.0, [1e4, -1e4, 0.0]),
+    }[kind]
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, [want_grad], rtol=1e-6)
 
   def test_identical_policies_give_zero(self):
     lp = jnp.array([[-1.0, -2.0], [-0.1, -5.0]])

@@ -85,11 +85,12 @@ def make_data(seed=0, *, batch=4, length=7, noise=0.3, pad=np.nan):
 
 def loss_fn(name, agg=None, **hyper):
   """`f(logp, old_logp, advantages, mask, is_weights, entropy) -> (loss, metrics)`."""
-  loss = get_policy_loss(name)
+  spec = rlx.objectives.get_policy_loss_spec(name)
+  loss = spec.fn
   agg = agg or DEFAULT_AGG.get(name, "token-mean")
 
   def f(logp, old_logp, advantages, mask, is_weights, entropy):
-    extra = {"entropy": entropy} if name == "aspo" else {}
+    extra = {key: {"entropy": entropy}[key] for key in spec.extra_inputs}
     return loss(logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, **hyper, **extra)
 
   return f
@@ -145,8 +146,21 @@ def assert_metrics_close(test, a, b, **tol):
 class PolicyLossBehaviourTest(chex.TestCase):
   def test_registry(self):
     self.assertEqual(set(NAMES), {"ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo"})
+    data = make_data(0, pad=0.0)
+    args = (data["logp"], data["old_logp"], data["advantages"], data["mask"])
     for name in NAMES:
-      self.assertIs(get_policy_loss(name), POLICY_LOSSES[name])
+      spec = rlx.objectives.get_policy_loss_spec(name)
+      # The registered function runs with exactly the declared extra inputs, and
+      # its default aggregation is the declared one.
+      extra = {key: data[key] for key in spec.extra_inputs}
+      default, _ = get_policy_loss(name)(*args, **extra)
+      explicit, _ = POLICY_LOSSES[name](*args, **extra, agg=spec.default_agg)
+      np.testing.assert_array_equal(default, explicit, err_msg=name)
+      if spec.default_agg != "token-mean":
+        other, _ = POLICY_LOSSES[name](*args, **extra, agg="token-mean")
+        self.assertNotAlmostEqual(float(other), float(default), msg=name)
+      with self.assertRaises(TypeError, msg=name):
+        get_policy_loss(name)(*args, **extra, not_an_input=data["logp"])
     with self.assertRaisesRegex(ValueError, "must be one of .*'ppo'.*'aspo'.*got 'grpo'"):
       get_policy_loss("grpo")
 

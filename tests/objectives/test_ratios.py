@@ -76,6 +76,8 @@ class RatiosTest(chex.TestCase):
   def test_nan_padding_gives_finite_values_and_gradients(self, fn):
     out = fn(LOGP, OLD, MASK)
     self.assertTrue(np.all(np.isfinite(out)))
+    # The same values as with zero padding (NaN never reaches a valid entry).
+    np.testing.assert_array_equal(out, fn(np.nan_to_num(LOGP), np.nan_to_num(OLD), MASK))
     grad = jax.grad(lambda a, b: jnp.sum(fn(a, b, MASK)), argnums=(0, 1))(LOGP, OLD)
     for g in grad:
       self.assertTrue(np.all(np.isfinite(g)))
