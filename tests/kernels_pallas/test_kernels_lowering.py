@@ -76,8 +76,10 @@ def test_paged_attention_lowers(platform_ready, page_dtype, gqa, page_size, head
 
 
 @pytest.mark.parametrize("platform_ready", ["cuda", "tpu"], indirect=True)
-@pytest.mark.parametrize(("m", "k", "n"), [(256, 512, 384), (100, 300, 200)])
-def test_fp8_matmul_lowers(platform_ready, m, k, n):
+@pytest.mark.parametrize(
+  ("m", "k", "n", "block_k"), [(256, 512, 384, 256), (100, 300, 200, 256), (128, 4096, 256, 512)]
+)
+def test_fp8_matmul_lowers(platform_ready, m, k, n, block_k):
   platform = platform_ready
   kb, nb = -(-k // 128), -(-n // 128)
   specs = (
@@ -90,7 +92,7 @@ def test_fp8_matmul_lowers(platform_ready, m, k, n):
   def fn(xq, xs, wq, ws):
     return _fp8_matmul_jit(
       xq, xs, wq, ws, out_dtype=jnp.dtype(jnp.bfloat16), impl=_IMPL[platform], interpret=False,
-      block_m=128, block_k=256,
+      block_m=128, block_k=block_k,
     )  # fmt: skip
 
   _export(fn, platform, *specs)
