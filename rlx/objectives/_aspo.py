@@ -5,7 +5,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_greater, check_range, check_ratio_clips, clip
+from rlx.objectives._checks import (
+  check_greater,
+  check_range,
+  check_ratio_clips,
+  clip,
+  is_concrete,
+)
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import (
   apply_is_weights,
@@ -102,6 +108,11 @@ def aspo_loss(
   check_ratio_clips(clip_low, clip_high, dual_clip)
   check_ratio_clips(high_entropy_clip_low, high_entropy_clip_high, prefix="high_entropy_")
   check_greater(positive_dual_clip, 1.0, "positive_dual_clip")
+  if not is_concrete(high_entropy_fraction):
+    raise ValueError(
+      "`high_entropy_fraction` must be a Python float (it fixes a quantile at trace time), "
+      "got a traced value."
+    )
   check_range(high_entropy_fraction, "high_entropy_fraction", low=0.0, high=1.0)
   x = prepare_policy_inputs(
     logp,

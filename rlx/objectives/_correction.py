@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from rlx.objectives import _checks
@@ -88,6 +89,7 @@ def rollout_correction(
   reject_low: float | None = None,
   reject_high: float | None = None,
   veto_threshold: float | None = None,
+  sampled_mask: Float[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"], RolloutCorrectionMetrics]:
   """Importance weights and rejection mask correcting the rollout/trainer mismatch.
 
@@ -104,8 +106,10 @@ def rollout_correction(
   3. (T)IS weights at `level`, C = `truncate` (upper truncation; None = none):
        "token":    w_t = min(rho_t, C)                 (`token_importance_weights`)
        "sequence": w_i = min(prod_t rho_it, C) on every token of sequence i
-                   (`sequence_importance_weights` over the INPUT mask: the
-                   sequence was sampled with its rejected tokens)
+                   (`sequence_importance_weights` over `sampled_mask`, default
+                   the input mask: the sequence was sampled with its rejected
+                   tokens, and with tokens an earlier filter such as
+                   `m2po_mask` removed from `mask`)
        None:       w = 1 (rejection only).
   4. AIS mixing (`adaptive=True`; `adaptive_is_lambda`): w <- 1 + lambda (w - 1)
      with lambda in [0, 1] from the k3 mismatch over the kept tokens, the ESS of
@@ -144,6 +148,10 @@ def rollout_correction(
     reject_low: lower edge of the kept band (None: unbounded); needs `reject`.
     reject_high: upper edge of the kept band (None: unbounded); needs `reject`.
     veto_threshold: tau > 0 for the veto, or None to disable it.
+    sampled_mask: optional `[B, T]` mask of the tokens the sampler produced,
+      a superset of `mask` (e.g. the response mask before `m2po_mask`); the
+      sequence-level weights are the ratio of the sampled sequence, so they
+      sum over it. None: `mask`. Only read for `level="sequence"`.
 
   Returns:
     `(is_weights, new_mask, metrics)`: float32 weights `[B, T]` (never
@@ -170,6 +178,19 @@ def rollout_correction(
       _checks.check_non_negative(reject_low, "reject_low")
   if adaptive and level is None:
     raise ValueError("`adaptive`=True needs `level` 'token' or 'sequence', got None.")
+  if sampled_mask is not None:
+    sampled_mask = jnp.asarray(sampled_mask)
+    _checks.check_same_shape("mask", mask, {"sampled_mask": sampled_mask})
+    sampled = _checks.as_mask(sampled_mask)
+    if _checks.is_concrete(mask) and _checks.is_concrete(sampled_mask):
+      outside = np.argwhere(np.asarray(_checks.as_mask(mask) & ~sampled))
+      if outside.size:
+        raise ValueError(
+          f"`sampled_mask` must cover `mask`: token {tuple(int(i) for i in outside[0])} "
+          "is in `mask` but not in `sampled_mask`."
+        )
+  else:
+    sampled = None
 
   valid = _checks.as_mask(mask)
   n_valid = jnp.sum(valid.astype(jnp.float32))
@@ -203,8 +224,9 @@ def rollout_correction(
       raw = token_importance_weights(old_logp, rollout_logp, valid)
       units = keep
     else:
-      # Over the input mask: the sequence was sampled with its rejected tokens.
-      raw = sequence_importance_weights(old_logp, rollout_logp, valid)  # [B]
+      # Over the sampled tokens: the sequence was sampled with its rejected ones.
+      seq_mask = valid if sampled is None else sampled
+      raw = sequence_importance_weights(old_logp, rollout_logp, seq_mask)  # [B]
       units = jnp.any(keep, axis=1)
     weights = raw if truncate is None else jnp.minimum(raw, jnp.float32(truncate))
     ess_raw = effective_sample_size(raw, units)

@@ -181,3 +181,23 @@ def test_rollout_correction_is_the_composition_of_its_pieces():
   np.testing.assert_allclose(w, jnp.where(keep, seq[:, None], 0.0), rtol=1e-6)
   np.testing.assert_allclose(m.ais_lambda, lam, rtol=1e-6)
   np.testing.assert_allclose(m.ess_raw, obj.effective_sample_size(raw, units), rtol=1e-6)
+
+
+def test_sequence_weights_use_the_sampled_tokens():
+  # A filter (e.g. M2PO) removed token (1, 3) with log rho = -2 from the mask.
+  filtered = MASK.copy()
+  filtered[1, 3] = 0
+  w, new_mask, _ = obj.rollout_correction(
+    OLD, ROLLOUT, filtered, level="sequence", truncate=None, sampled_mask=MASK
+  )
+  np.testing.assert_array_equal(new_mask, filtered)
+  # Row 1's weight is e^(0 - 0.5 + 0.3 - 2) over all four sampled tokens.
+  np.testing.assert_allclose(w[1, :3], np.exp(-2.2), rtol=1e-5)
+  np.testing.assert_array_equal(w[1, 3], 0.0)
+  # Without it the weight covers only the filtered mask: e^(-0.2).
+  w, _, _ = obj.rollout_correction(OLD, ROLLOUT, filtered, level="sequence", truncate=None)
+  np.testing.assert_allclose(w[1, :3], np.exp(-0.2), rtol=1e-5)
+  with pytest.raises(ValueError, match=r"`sampled_mask` must cover `mask`: token \(1, 3\)"):
+    obj.rollout_correction(OLD, ROLLOUT, MASK, level="sequence", sampled_mask=filtered)
+  with pytest.raises(ValueError, match="`sampled_mask` must have the shape"):
+    obj.rollout_correction(OLD, ROLLOUT, MASK, sampled_mask=MASK[:, :2])

@@ -80,7 +80,11 @@ def test_edge_values_that_are_valid():
 def test_traced_hyper_parameters_are_not_checked():
   # Inside jit the value is unknown: an adaptive bound passes through.
   f = jax.jit(lambda c: obj.ppo_clip_loss(X, X, X, M, clip_low=c)[0])
-  assert np.isfinite(f(jnp.float32(1.5)))
+  np.testing.assert_allclose(f(jnp.float32(1.5)), 0.0)  # A = 0 everywhere
+  # ASPO's entropy fraction fixes a quantile at trace time: it must be static.
+  g = jax.jit(lambda q: obj.aspo_loss(X, X, X, M, entropy=X, high_entropy_fraction=q)[0])
+  with pytest.raises(ValueError, match="`high_entropy_fraction` must be a Python float"):
+    g(0.2)
 
 
 @pytest.mark.parametrize(
