@@ -7,6 +7,7 @@ embedding lookup clamps or fills it and the step trains on a wrong token or
 skips a NaN update).
 """
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,13 +79,24 @@ def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_sh
 def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
   """Raises ValueError if any id of `tokens` is outside [0, vocab_size).
 
-  Host arrays are checked with numpy; a `jax.Array` by one small jitted
-  min/max reduction whose two numbers are fetched (it waits for `tokens`, not
-  for unrelated work). Padding must use a valid id too (e.g. 0 or the pad id):
-  every position goes through the embedding.
+  Host arrays are checked with numpy (free). A `jax.Array` is checked by one
+  small jitted min/max reduction whose two numbers the host fetches: that
+  waits until the device reaches it (after work already queued, e.g. the
+  previous step), and gives every process of a multi-process run the same
+  answer. The last device array checked is remembered, so the same batch
+  passed to `compute_logprobs` and then to the train step is reduced once.
+  Pass host (numpy) tokens, or trace `step_fn` in your own jit, to avoid the
+  wait. Padding must use a valid id too (e.g. 0 or the pad id): every
+  position goes through the embedding.
   """
+  global _last_checked
   if isinstance(tokens, jax.Array):
+    last = _last_checked
+    if last is not None and last[0]() is tokens and last[1] == vocab_size:
+      return
     low, high = (int(v) for v in _distributed.to_host(_min_max(tokens)))
+    if 0 <= low and high < vocab_size:
+      _last_checked = (weakref.ref(tokens), vocab_size)
   else:
     host = np.asarray(tokens)
     low, high = int(host.min()), int(host.max())
@@ -94,6 +106,10 @@ def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
       "(pad with a valid id such as 0; -1 or ids >= vocab_size would silently train on "
       "another token or give NaN under jit)."
     )
+
+
+# (weak reference to the last device array found in range, its vocab_size)
+_last_checked: tuple[weakref.ref, int] | None = None
 
 
 @jax.jit

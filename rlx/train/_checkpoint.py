@@ -127,6 +127,11 @@ class Checkpointer:
     self._pending: int | None = None  # step whose async save may still run
     self._manager = ocp.CheckpointManager(
       self.directory,
+      item_handlers={
+        "state": ocp.StandardCheckpointHandler(),
+        "cursor": ocp.JsonCheckpointHandler(),
+        "extra": ocp.StandardCheckpointHandler(),
+      },
       options=ocp.CheckpointManagerOptions(
         max_to_keep=None,  # retention is `_apply_retention` (never evicts the last good step)
         enable_async_checkpointing=async_save,
@@ -302,7 +307,7 @@ class Checkpointer:
     return sorted(int(s) for s in self._manager.all_steps())
 
   def _finish_pending(self) -> None:
-    """Waits for the in-flight save; marks it good (or raises) and applies retention."""
+    """Waits for the in-flight save; marks it good (or raises), then applies retention."""
     self._manager.wait_until_finished()
     pending, self._pending = self._pending, None
     if pending is not None:
@@ -317,7 +322,7 @@ class Checkpointer:
         ) from e
       self._good.add(pending)
       self._broken.discard(pending)
-    self._apply_retention()
+      self._apply_retention()
 
   def _apply_retention(self) -> None:
     if self._max_to_keep is None:

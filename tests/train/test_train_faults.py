@@ -1,0 +1,98 @@
+"""Bad input and misuse: clear errors before dispatch, and a state that owns its buffers."""
+
+import jax
+import numpy as np
+import pytest
+import train_testlib as tl
+
+from rlx import policy, train
+
+
+def _good_batch(m, state, logprobs):
+  return tl.prepare(tl.make_batch(0), m, state, logprobs)
+
+
+@pytest.mark.parametrize("bad_id", [-1, -100, tl.VOCAB, tl.VOCAB + 7])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_token_ids_out_of_range_are_rejected_before_dispatch(bad_id, on_device):
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  batch = {k: np.array(v) for k, v in _good_batch(m, state, logprobs).items()}
+  row, col = 3, int(np.argmax(batch["loss_mask"][3]))  # a response token
+  batch["tokens"][row, col] = bad_id
+  if on_device:
+    batch = train.shard_batch(batch, m)
+  match = rf"batch\['tokens'\]` ids must be in \[0, vocab_size={tl.VOCAB}\)"
+  with pytest.raises(ValueError, match=match):
+    step_fn(state, batch)
+  with pytest.raises(ValueError, match=match):
+    logprobs(state, batch)
+  # Nothing ran: the state was not donated and is still usable.
+  assert not jax.tree.leaves(state.params)[0].is_deleted()
+  assert int(state.step) == 0
+
+
+@pytest.mark.parametrize("shape", [(0, tl.SEQ), (tl.BATCH, 0)])
+def test_zero_size_batches_name_the_argument(shape):
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  b, s = shape
+  batch = {
+    "tokens": np.zeros((b, s), np.int32),
+    "loss_mask": np.zeros((b, s), np.float32),
+    "advantages": np.zeros((b,), np.float32),
+    "old_logp": np.zeros((b, s), np.float32),
+  }
+  with pytest.raises(ValueError, match=r"`batch\['tokens'\]` is empty \(shape \["):
+    step_fn(state, batch)
+  with pytest.raises(ValueError, match=r"`batch\['tokens'\]` is empty"):
+    logprobs(state, batch)
+  with pytest.raises(ValueError, match=r"`batch\['tokens'\]` is empty"):
+    train.shard_batch(batch, m)
+
+
+def test_state_owns_its_buffers_so_the_reference_params_survive_donation():
+  """The KL-reference workflow: log-probs from the original params after donating steps."""
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  mc = tl.model_config()
+  for params in (
+    policy.init_params(mc, jax.random.PRNGKey(0)),  # on the default device
+    train.shard_params(policy.init_params(mc, jax.random.PRNGKey(0)), mc, m),  # already placed
+  ):
+    state = train.create_train_state(params, mc, cfg, m, rng=jax.random.PRNGKey(1))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
+      assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+    ref = train.shard_params(params, mc, m)
+    for i in range(2):
+      batch = tl.prepare(tl.make_batch(i), m, state, logprobs, ref_params=ref)
+      state, _ = step_fn(state, batch)  # donates `state`
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+    want = np.asarray(logprobs(params, batch))
+    np.testing.assert_array_equal(np.asarray(batch["ref_logp"]), want)
+
+
+def test_params_or_state_of_another_model_config_are_rejected():
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  mc = tl.model_config()
+  other = policy.ModelConfig.small(
+    vocab_size=tl.VOCAB,
+    hidden_size=48,
+    intermediate_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+  )
+  wrong = policy.init_params(other, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match="`params` does not match the config: .*has shape"):
+    train.create_train_state(wrong, mc, cfg, m, rng=jax.random.PRNGKey(1))
+  state = tl.init_state(m, cfg)
+  batch = _good_batch(m, state, logprobs)
+  with pytest.raises(ValueError, match="`params` does not match the config"):
+    logprobs(wrong, batch)
+  # A state built for the other config reaches the step: named before dispatch.
+  wrong_state = train.create_train_state(wrong, other, cfg, m, rng=jax.random.PRNGKey(1))
+  with pytest.raises(ValueError, match=r"`state.params\['embed'\]\['embedding'\]` is float32"):
+    step_fn(wrong_state, batch)
+  # An optimizer state of another optimizer, likewise.
+  with pytest.raises(ValueError, match="`state` has tree structure"):
+    step_fn(state.replace(opt_state=state.opt_state[1]), batch)
