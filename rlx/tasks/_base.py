@@ -235,12 +235,14 @@ class Task(abc.ABC):
 
   def _check_completions(self, completions: Any, num: int) -> list[list[int]]:
     name = self.name
-    if isinstance(completions, str | bytes) or not isinstance(completions, Sequence | np.ndarray):
+    if isinstance(completions, str | bytes) or not (
+      isinstance(completions, Sequence) or _is_array(completions)
+    ):
       raise ValueError(
         f"Task {name!r}: `completions` must be a sequence of token-id sequences, got "
         f"{type(completions).__name__}."
       )
-    if isinstance(completions, np.ndarray) and completions.ndim == 2:
+    if _is_array(completions) and completions.ndim != 1:
       raise ValueError(
         f"Task {name!r}: `completions` is a padded array of shape {completions.shape}; pass "
         "unpadded token-id lists, or use `reward_padded(examples, completion, lengths)`."
@@ -257,7 +259,7 @@ class Task(abc.ABC):
           f"Task {name!r}: completions[{i}] is a {type(completion).__name__}; completions are "
           "token ids (decode happens inside the task)."
         )
-      if not isinstance(completion, Sequence | np.ndarray):
+      if not (isinstance(completion, Sequence) or _is_array(completion)):
         raise ValueError(
           f"Task {name!r}: completions[{i}] must be a sequence of token ids, got "
           f"{type(completion).__name__}."
@@ -274,6 +276,11 @@ class Task(abc.ABC):
         raise ValueError(f"Task {name!r}: completions[{i}] has negative token ids {negative[:8]}.")
       out.append(tokens)
     return out
+
+
+def _is_array(value: Any) -> bool:
+  """numpy, JAX and other arrays (anything with `__array__` and `ndim`)."""
+  return hasattr(value, "__array__") and hasattr(value, "ndim")
 
 
 def check_split_name(task_name: str, split: Any, available: Mapping[str, Any]) -> None:

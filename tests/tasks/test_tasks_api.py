@@ -2,6 +2,7 @@
 
 import doctest
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -176,6 +177,9 @@ def test_example_and_padded_input_checks():
   task = _ShapeTask([1.0, 0.0])
   examples = task.split("train")
   assert task.reward(examples, [np.array([3, 2]), ()]).tolist() == [1.0, 0.0]  # arrays and empties
+  assert task.reward(examples, [jnp.array([3, 2]), jnp.zeros((0,), jnp.int32)]).shape == (2,)
+  with pytest.raises(ValueError, match=r"padded array of shape \(2, 3\)"):
+    task.reward(examples, jnp.zeros((2, 3), jnp.int32))
   with pytest.raises(ValueError, match=r"'shape': `examples` must be a sequence of Example"):
     task.reward(examples[0], [[3]])
   with pytest.raises(ValueError, match=r"examples\[1\] must be an Example, got dict"):
