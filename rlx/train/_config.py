@@ -158,6 +158,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     config.rollout_correction_kwargs,
     objectives.rollout_correction,
     "config.rollout_correction_kwargs",
+    exclude=("sampled_mask",),
   )
   if config.use_bapo:
     _check_bapo(config, spec)

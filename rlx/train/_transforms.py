@@ -5,13 +5,14 @@ the current params, so they run once per step on the whole batch, before the
 epoch / mini-batch loops, and are exact under any batch split. Each is the
 `rlx.objectives` function of its method; the step only combines their masks:
 
-  sampled  = loss_mask != 0                                   (the tokens the sampler drew)
-  mask     = sampled & m2po_mask(sampled) & correction_mask(sampled)
-  weights  = rollout_correction(old, rollout, sampled).is_weights
+  sampled  = loss_mask != 0                       (the tokens the sampler drew)
+  mask     = sampled & m2po_mask(old, rollout, sampled)
+  weights, mask = rollout_correction(old, rollout, mask, sampled_mask=sampled)
   vcpo     = vcpo_lr_factor(sequence_importance_weights(old, rollout, sampled))
 
 so a sequence-level IS weight is the ratio of the sequence as sampled, even when
-M2PO drops some of its tokens from the loss.
+M2PO drops some of its tokens from the loss; rejection and veto act on the
+tokens M2PO kept.
 """
 
 from collections.abc import Mapping
@@ -63,9 +64,13 @@ def prepare_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> t
       mask = mask & keep
     if cfg.use_rollout_correction:
       is_weights, kept, rc_metrics = objectives.rollout_correction(
-        old_logp, rollout_logp, sampled, **_config.to_kwargs(cfg.rollout_correction_kwargs)
+        old_logp,
+        rollout_logp,
+        mask,
+        sampled_mask=sampled,
+        **_config.to_kwargs(cfg.rollout_correction_kwargs),
       )
-      mask = mask & _as_bool(kept)
+      mask = _as_bool(kept)
       for name, value in rc_metrics._asdict().items():
         if name not in _MISMATCH_FIELDS:
           metrics[f"rollout_correction/{name}"] = jnp.asarray(value, jnp.float32)

@@ -4,8 +4,9 @@
   params, opt_state <- optax update, kept unchanged if the loss or |grads| is not finite
 
 The logged learning rate is `schedule(n)` at the update counter n computed
-from the `TrainState` (`rlx.train.make_optimizer` docs), not read from the
-optimizer state.
+from the `TrainState` (`update_counter`), not read from the optimizer state,
+so any optimizer chain (several `count` leaves, MultiSteps, ...) reports it
+right.
 """
 
 from collections.abc import Callable

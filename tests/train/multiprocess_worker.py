@@ -27,6 +27,9 @@ def main(
   assert jax.process_count() == num_processes and len(jax.local_devices()) == 2
   assert len(jax.devices()) == 2 * num_processes
   state, history = tl.run_steps("d2f2", num_steps)
+  # The throughput meter reads replicated metrics on every process.
+  throughput = tl.fns("d2f2")[2].throughput.read()
+  assert throughput["steps"] == num_steps and throughput["loss_tokens_per_second"] > 0
   with train.Checkpointer(ckpt_dir) as ckpt:
     ckpt.save(num_steps, state, data_cursor={"next_batch": num_steps})
   with open(out, "w") as f:

@@ -56,11 +56,9 @@ def test_two_processes_match_one_process(tmp_path):
   for p, output in zip(procs, outputs, strict=True):
     assert p.returncode == 0, output[-4000:]
   got = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
-  # Replicated (device-computed) metrics agree across processes; the
-  # host-measured throughput metrics are each process's own wall clock.
-  host_timed = ("step_time_s", "tokens_per_second", "loss_tokens_per_second")
-  for h in got[0] + got[1]:
-    assert all(h.pop(name) > 0 for name in host_timed)
+  # Replicated (device-computed) metrics agree across processes (no host-timed
+  # metrics by default: dispatch is asynchronous).
+  assert "step_time_s" not in got[0][0]
   assert got[0] == got[1]
   single, want = tl.run_steps("single", steps)
   for g, w in zip(got[0], want, strict=True):
