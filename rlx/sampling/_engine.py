@@ -28,6 +28,8 @@ float32 on `[S, V]`, (4) releases the pages of finished slots (reference
 counts; pages reaching 0 go back on the free stack).
 """
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -73,12 +75,22 @@ class SlotState(NamedTuple):
   logprobs: jax.Array  # f32[S, M]
 
 
+class Knobs(NamedTuple):
+  """Traced scalars of a decode window (changing them never recompiles)."""
+
+  temperature: jax.Array  # f32[] (unused when greedy)
+  top_p: jax.Array  # f32[] (unused when top_p == 1)
+  stop_token_ids: jax.Array  # i32[num_stop_ids]
+  max_steps: jax.Array  # i32[]: decode steps at most in this window
+  exit_after: jax.Array  # i32[]: end the window once this many slots finished
+
+
 class LoopInfo(NamedTuple):
   """What one decode window did."""
 
   steps: jax.Array  # i32[]: decode steps run
   blocked: jax.Array  # bool[S]: slots that found no free page
-  peak_pages: jax.Array  # i32[]: most pages in use after a step
+  peak_pages: jax.Array  # i32[]: most pages in use at once (after a step's allocation)
 
 
 def empty_slots(num_slots: int, max_new_tokens: int) -> SlotState:
@@ -97,8 +109,37 @@ def empty_slots(num_slots: int, max_new_tokens: int) -> SlotState:
   )
 
 
+def stop_id_slots(num_stop_ids: int) -> int:
+  """Stop ids are padded with -1 to a multiple of 8 (so 1..8 stop ids share a compile)."""
+  return -(-num_stop_ids // 8) * 8
+
+
+def compile_key(config: SamplerConfig) -> SamplerConfig:
+  """`config` with every field that only reaches the device as a traced value normalised.
+
+  Samplers whose configs share a compile key share one `Engine` (and its compiled
+  functions): temperature (only greedy or not matters), top_p (only on/off),
+  stop-token values (only their count, padded by `stop_id_slots`), steps_per_sync
+  and continuous_batching.
+  """
+  return dataclasses.replace(
+    config,
+    temperature=0.0 if config.temperature == 0.0 else 1.0,
+    top_p=1.0 if config.top_p >= 1.0 else 0.5,
+    stop_token_ids=(0,) * stop_id_slots(len(config.stop_token_ids)),
+    steps_per_sync=1,
+    continuous_batching=True,
+  )
+
+
+@functools.lru_cache(maxsize=32)
+def engine_for(model_config: policy.ModelConfig, key: SamplerConfig, mesh: Mesh | None):
+  """The shared `Engine` of a compile key (`compile_key(config)`)."""
+  return Engine(model_config, key, mesh)
+
+
 class Engine:
-  """The jitted device functions of one sampler (own jit caches, so compiles are countable).
+  """The jitted device functions of samplers sharing a compile key (own jit caches).
 
   Args:
     model_config: the policy's `ModelConfig`.
@@ -112,7 +153,9 @@ class Engine:
     self.mesh = mesh
     self.page_dtype = config.page_dtype(model_config.compute_dtype)
     self.pages_per_sequence = config.pages_per_sequence
-    self.stop_ids = np.asarray(config.stop_token_ids, np.int32)
+    self.greedy = config.temperature == 0.0
+    self.use_top_p = config.top_p < 1.0
+    self.num_stop_ids = len(config.stop_token_ids)
     self._batch_axes = None
     self._tensor_axis = None
     if mesh is not None:
@@ -121,8 +164,7 @@ class Engine:
       self._batch_axes = tuple(a for a in BATCH_AXES if a in mesh.shape) or None
       if "tensor" in mesh.shape and model_config.num_kv_heads % mesh.shape["tensor"] == 0:
         self._tensor_axis = "tensor"
-    self.decode = jax.jit(self._decode_loop, static_argnames=("max_steps", "allocate"),
-                          donate_argnums=(1,))  # fmt: skip
+    self.decode = jax.jit(self._decode_loop, static_argnames=("allocate",), donate_argnums=(1,))
     self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
     self.copy_pages = jax.jit(self._copy_pages, donate_argnums=(0,))
 
@@ -301,13 +343,14 @@ class Engine:
     num_free = pages.num_free + jnp.sum(freed.astype(jnp.int32))
     return PageState(pages.page_table, refcount, free_stack, num_free)
 
-  def _step(self, params, pool, pages, slots, rng, k_scale, v_scale, allocate):
+  def _step(self, params, pool, pages, slots, rng, k_scale, v_scale, knobs, allocate):
     """One decode step for all slots; returns (pool, pages, slots, blocked, done)."""
     cfg, model = self.config, self.model
     if allocate:
       pages, blocked = self._allocate(pages, slots)
     else:
       blocked = jnp.zeros_like(slots.active)
+    in_use = pages.refcount.shape[0] - pages.num_free  # after allocation, before release
     run = slots.active & ~blocked
     length = slots.length
     table = pages.page_table
@@ -331,7 +374,11 @@ class Engine:
     logits = policy.logits_from_hidden(params, model, hidden)  # f32[S, V]
     keys = sample_keys(rng, slots.prompt_index, slots.sample_index, slots.num_generated)
     token, logp = sample_tokens(
-      logits, keys, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p
+      logits,
+      keys,
+      temperature=0.0 if self.greedy else knobs.temperature,
+      top_k=cfg.top_k,
+      top_p=knobs.top_p if self.use_top_p else 1.0,
     )
     m = slots.tokens.shape[1]
     rows = jnp.arange(token.shape[0])
@@ -342,8 +389,8 @@ class Engine:
     num_generated = slots.num_generated + step
     length = length + step
     stop = jnp.zeros_like(run)
-    if self.stop_ids.size:
-      stop = run & jnp.isin(token, jnp.asarray(self.stop_ids))
+    if self.num_stop_ids:
+      stop = run & jnp.any(token[:, None] == knobs.stop_token_ids[None, :], axis=1)
     done = run & (stop | (num_generated >= m))
     slots = SlotState(
       active=slots.active & ~done,
@@ -358,16 +405,16 @@ class Engine:
     )
     if allocate:
       pages = self._release(pages, done, length)
-    return pool, pages, slots, blocked, done
+    return pool, pages, slots, blocked, done, in_use
 
-  def _decode_loop(
-    self, params, pool, pages, slots, rng, k_scale, v_scale, exit_after, *, max_steps, allocate
-  ):
-    """Up to `max_steps` decode steps in one `lax.while_loop`.
+  def _decode_loop(self, params, pool, pages, slots, rng, k_scale, v_scale, knobs, *, allocate):
+    """Up to `knobs.max_steps` decode steps in one `lax.while_loop`.
 
     Stops early when no slot is active, when a slot is blocked (no free page),
-    or when `exit_after` (traced i32) slots have finished in this window.
+    or when `knobs.exit_after` slots have finished in this window. Every knob
+    is traced, so the loop compiles once per sampler.
     """
+    max_steps, exit_after = knobs.max_steps, knobs.exit_after
     num_slots = slots.active.shape[0]
     num_pages = pages.refcount.shape[0]
 
@@ -379,11 +426,11 @@ class Engine:
 
     def body(carry):
       pool, pages, slots, step, _, finished, peak = carry
-      pool, pages, slots, blocked, done = self._step(
-        params, pool, pages, slots, rng, k_scale, v_scale, allocate
+      pool, pages, slots, blocked, done, in_use = self._step(
+        params, pool, pages, slots, rng, k_scale, v_scale, knobs, allocate
       )
       finished = finished + jnp.sum(done.astype(jnp.int32))
-      peak = jnp.maximum(peak, num_pages - pages.num_free)
+      peak = jnp.maximum(peak, in_use)
       return pool, pages, slots, step + 1, blocked, finished, peak
 
     carry = (pool, pages, slots, jnp.int32(0), jnp.zeros((num_slots,), bool), jnp.int32(0),

@@ -35,9 +35,9 @@ def sample_tokens(
   logits: Float[Array, "S V"],
   keys: Array,
   *,
-  temperature: float,
+  temperature: float | Float[Array, ""],
   top_k: int,
-  top_p: float,
+  top_p: float | Float[Array, ""],
 ) -> tuple[Int[Array, " S"], Float[Array, " S"]]:
   """Draws one token per row; returns `(tokens i32[S], logp f32[S])`.
 
@@ -52,29 +52,31 @@ def sample_tokens(
   Args:
     logits: f32[S, V].
     keys: `[S]` PRNG keys (`sample_keys`).
-    temperature: static float >= 0.
+    temperature: float >= 0; the Python float 0.0 selects greedy decoding, any
+      other value (Python float or traced f32 scalar > 0) sampling.
     top_k: static int >= 0.
-    top_p: static float in (0, 1].
+    top_p: in (0, 1]; the Python float 1.0 disables the nucleus filter, any
+      other value (Python float or traced f32 scalar) enables it.
   """
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]
-  if temperature == 0.0:
+  if isinstance(temperature, int | float) and temperature == 0.0:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-  scaled = logits / jnp.float32(temperature)
+  scaled = logits / jnp.asarray(temperature, jnp.float32)
   logp_all = jax.nn.log_softmax(scaled, axis=-1)
   masked = scaled
   top_values = None
   if 0 < top_k < vocab:
     top_values = jax.lax.top_k(scaled, top_k)[0]  # [S, k], descending
     masked = jnp.where(scaled >= top_values[:, -1:], scaled, -jnp.inf)
-  if top_p < 1.0:
+  if not (isinstance(top_p, int | float) and top_p >= 1.0):
     if top_values is None:
       top_values = -jnp.sort(-scaled, axis=-1)  # descending
     probs = jax.nn.softmax(top_values, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly better-ranked tokens
-    keep = before < jnp.float32(top_p)  # always keeps the first
+    keep = before < jnp.asarray(top_p, jnp.float32)  # always keeps the first
     threshold = jnp.min(jnp.where(keep, top_values, jnp.inf), axis=-1, keepdims=True)
     masked = jnp.where(masked >= threshold, masked, -jnp.inf)
   tokens = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, masked).astype(jnp.int32)

@@ -23,9 +23,11 @@ scheduler (Kwon et al. 2023, https://arxiv.org/abs/2309.06180):
   on re-admission its KV is recomputed by prefill (no sharing). A sequence
   never changes a token because of this (same per-sample keys, same
   positions; only float rounding of recomputed K/V differs).
-- Prefill: chunked, `prefill_chunk` tokens per row per call, rows padded to
-  a power of two <= max_slots; so prefill compiles at most
-  `1 + ceil(log2(max_slots))` times per sampler, whatever the prompt lengths.
+- Prefill: chunked, `prefill_chunk` tokens per row per call (a chunk attends
+  to the row's earlier pages and causally to itself), rows padded to a power
+  of two in [min(8, S), next_pow2(S)]; so prefill compiles at most
+  `1 + max(0, ceil(log2(max_slots / 8)))` times per sampler, whatever the
+  prompt lengths (once for max_slots <= 8).
   The decode loop compiles once per sampler (fixed shapes; every count,
   threshold and scale is a traced argument).
 """
@@ -44,7 +46,15 @@ from jax.sharding import Mesh
 
 from rlx import policy
 from rlx.sampling._config import SamplerConfig
-from rlx.sampling._engine import Engine, PageState, SlotState, empty_slots
+from rlx.sampling._engine import (
+  Knobs,
+  PageState,
+  SlotState,
+  compile_key,
+  empty_slots,
+  engine_for,
+  stop_id_slots,
+)
 
 
 class Completions(NamedTuple):
@@ -121,6 +131,10 @@ class _Pages:
     return PageState(self.table, self.refcount, self.free_stack, np.int32(self.num_free))
 
 
+# Prefill row buckets: powers of two from min(8, S) up to S (few compiles, little padding).
+_MIN_PREFILL_ROWS = 8
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
@@ -168,7 +182,22 @@ class Sampler:
     self.model_config = model_config
     self.config = config
     self.mesh = mesh
-    self._engine = Engine(model_config, config, mesh)
+    self._engine = engine_for(model_config, compile_key(config), mesh)
+
+  def _knobs(self, max_steps: int, exit_after: int):
+    """This sampler's (not the shared engine's) traced sampling knobs."""
+    cfg = self.config
+    return Knobs(
+      temperature=np.float32(cfg.temperature if cfg.temperature > 0 else 1.0),
+      top_p=np.float32(cfg.top_p),
+      stop_token_ids=np.pad(
+        np.asarray(cfg.stop_token_ids, np.int32).reshape(-1),
+        (0, stop_id_slots(len(cfg.stop_token_ids)) - len(cfg.stop_token_ids)),
+        constant_values=-1,
+      ),
+      max_steps=np.int32(max_steps),
+      exit_after=np.int32(exit_after),
+    )
 
   # --------------------------------------------------------------------------------------
   # Validation.
@@ -413,7 +442,7 @@ class Sampler:
       c = 0
       while rows and len(rows[0][0]) > c * chunk:
         live = [r for r in rows if len(r[0]) > c * chunk]
-        b = min(_next_pow2(len(live)), _next_pow2(S))
+        b = min(max(_next_pow2(len(live)), _MIN_PREFILL_ROWS), _next_pow2(S))
         tokens = np.zeros((b, chunk), np.int32)
         start = np.full((b,), c * chunk, np.int32)
         num_new = np.zeros((b,), np.int32)
@@ -449,8 +478,8 @@ class Sampler:
         exit_after = min(len(queue), max(1, S // 8))
       dev_pages, dev_slots = put(pages.state(), page_sh), put(slots, slot_sh)
       pool, dev_pages, dev_slots, info = eng.decode(
-        params, pool, dev_pages, dev_slots, rng, k_scale, v_scale, np.int32(exit_after),
-        max_steps=cfg.steps_per_sync, allocate=True,
+        params, pool, dev_pages, dev_slots, rng, k_scale, v_scale,
+        self._knobs(cfg.steps_per_sync, exit_after), allocate=True,
       )  # fmt: skip
       new_pages, new_slots, info = jax.device_get((dev_pages, dev_slots, info))
       pages = _Pages(new_pages)
@@ -623,7 +652,6 @@ class Sampler:
       num_free=jnp.int32(0),
     )
     _, _, slots, _ = eng._decode_loop(
-      params, pool, pages, slots, rng, k_scale, v_scale, jnp.int32(n + 1), max_steps=M,
-      allocate=False,
+      params, pool, pages, slots, rng, k_scale, v_scale, self._knobs(M, n + 1), allocate=False,
     )  # fmt: skip
     return slots.tokens, slots.logprobs, slots.num_generated, slots.stopped
