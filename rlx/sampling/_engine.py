@@ -80,7 +80,7 @@ class Knobs(NamedTuple):
 
   temperature: jax.Array  # f32[] (unused when greedy)
   top_p: jax.Array  # f32[] (unused when top_p == 1)
-  stop_token_ids: jax.Array  # i32[num_stop_ids]
+  stop_token_ids: jax.Array  # i32[stop_id_slots(n)], padded with -1
   max_steps: jax.Array  # i32[]: decode steps at most in this window
   exit_after: jax.Array  # i32[]: end the window once this many slots finished
 
@@ -110,8 +110,8 @@ def empty_slots(num_slots: int, max_new_tokens: int) -> SlotState:
 
 
 def stop_id_slots(num_stop_ids: int) -> int:
-  """Stop ids are padded with -1 to a multiple of 8 (so 1..8 stop ids share a compile)."""
-  return -(-num_stop_ids // 8) * 8
+  """Stop ids are padded with -1 to a multiple of 8, at least 8 (0..8 stop ids share a compile)."""
+  return max(1, -(-num_stop_ids // 8)) * 8
 
 
 def compile_key(config: SamplerConfig) -> SamplerConfig:
@@ -155,7 +155,6 @@ class Engine:
     self.pages_per_sequence = config.pages_per_sequence
     self.greedy = config.temperature == 0.0
     self.use_top_p = config.top_p < 1.0
-    self.num_stop_ids = len(config.stop_token_ids)
     self._batch_axes = None
     self._tensor_axis = None
     if mesh is not None:
@@ -388,9 +387,7 @@ class Engine:
     step = run.astype(jnp.int32)
     num_generated = slots.num_generated + step
     length = length + step
-    stop = jnp.zeros_like(run)
-    if self.num_stop_ids:
-      stop = run & jnp.any(token[:, None] == knobs.stop_token_ids[None, :], axis=1)
+    stop = run & jnp.any(token[:, None] == knobs.stop_token_ids[None, :], axis=1)
     done = run & (stop | (num_generated >= m))
     slots = SlotState(
       active=slots.active & ~done,

@@ -188,7 +188,7 @@ def test_rng_independent_of_batch_and_slots(params):
 
 
 def test_generate_fn_inside_jit_equals_generate(params):
-  cfg = dataclasses.replace(BASE, temperature=0.0, stop_token_ids=(3,))
+  cfg = dataclasses.replace(BASE, temperature=1.0, stop_token_ids=(3,))
   sampler = sampling.Sampler(MODEL, cfg)
   prompts = PROMPTS[:2]
   out = sampler.generate(params, prompts, num_samples=2, rng=jax.random.key(2))
