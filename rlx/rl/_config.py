@@ -90,6 +90,10 @@ def get_config() -> ml_collections.ConfigDict:
   # JAX reward -> advantages -> log-probs -> update) when the task has a JAX
   # reward and the batch fits the sampler's slots; otherwise host-driven.
   c.rl.fused = True
+  # Where rewards are computed: "auto" = on device with the task's jax_reward
+  # when it has one, else on host; "jax" requires a jax_reward; "host" always
+  # calls task.reward.
+  c.rl.reward = "auto"
   # Stop early once the dev greedy accuracy reaches this (evaluated every
   # eval.every iterations); 0 = always run rl.iterations.
   c.rl.target_dev_accuracy = 0.0
@@ -140,6 +144,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     )
   _choice(rl.baseline, BASELINES, "config.rl.baseline")
   _choice(rl.rollout, ROLLOUTS, "config.rl.rollout")
+  _choice(rl.reward, ("auto", "jax", "host"), "config.rl.reward")
   _choice(config.warmup.on_cap, ("raise", "warn"), "config.warmup.on_cap")
   g = rl.num_samples
   if not isinstance(g, int) or g < 1:

@@ -62,7 +62,27 @@ class Learner:
     uses_ref: whether a reference policy (KL) is needed.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, task: Any, model_config: Any, mesh: Any):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    task: Any,
+    model_config: Any,
+    mesh: Any,
+    *,
+    train_step: Any = None,
+    compute_logprobs: Any = None,
+  ):
+    """Builds (or reuses) the jitted pieces.
+
+    Args:
+      config: the RL config.
+      task: the `rlx.tasks.Task`.
+      model_config: the `rlx.policy.ModelConfig`.
+      mesh: the `rlx.train` mesh.
+      train_step: an existing `rlx.train.TrainStep` for this config's train
+        section (to share one compiled step between learners), else built.
+      compute_logprobs: likewise an existing `rlx.train.ComputeLogprobs`.
+    """
     _config.validate_config(config)
     self.config = config
     self.task = task
@@ -71,10 +91,12 @@ class Learner:
     self.group_size = _config.samples_per_prompt(config)
     self.baseline = config.rl.baseline
     self.train_config = _config.train_config(config)
-    self.compute_logprobs = train.make_compute_logprobs(model_config, self.train_config, mesh)
-    self.train_step = train.make_train_step(model_config, self.train_config, mesh)
+    self.compute_logprobs = compute_logprobs or train.make_compute_logprobs(
+      model_config, self.train_config, mesh
+    )
+    self.train_step = train_step or train.make_train_step(model_config, self.train_config, mesh)
     self.uses_ref = float(self.train_config.kl_coef) > 0
-    mode = config.rl.get("reward", "auto")
+    mode = config.rl.reward
     if mode not in REWARD_MODES:
       raise ValueError(f"`config.rl.reward` must be one of {REWARD_MODES}, got {mode!r}.")
     if mode == "jax" and task.jax_reward is None:
@@ -224,18 +246,18 @@ def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
     )
   k = learner.group_size
   uses_ref = learner.uses_ref
-  width = int(sampler.cfg.max_prompt_len)
+  width = int(sampler.config.max_prompt_len)
 
   def step(state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng):
     n = prompt_tokens.shape[0]
-    if n * k > sampler.cfg.max_slots:
+    if n * k > sampler.config.max_slots:
       raise ValueError(
         f"make_rl_step: {n} prompts x {k} samples = {n * k} rows exceed the sampler's "
-        f"max_slots={sampler.cfg.max_slots}."
+        f"max_slots={sampler.config.max_slots}."
       )
     pt = jnp.repeat(prompt_tokens, k, axis=0)
     pl = jnp.repeat(prompt_lengths, k)
-    tokens, logps, lengths, stopped = sampler.generate_fn(state.params, pt, pl, rng)
+    tokens, logps, lengths, stopped = sampler.generate_fn(state.params, pt, pl, rng, num_samples=k)
     groups = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
     batch = _batch.build_rollout_batch(pt, pl, tokens, logps, lengths, stopped, groups, state.step)
     completion, clen = _batch.response_arrays(batch)

@@ -170,7 +170,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       "iteration": 0,
       "rl_time_s": 0.0,
       "elapsed_s": 0.0,
-      "done": False,
       "stop": None,
     }
   del start_state
@@ -197,17 +196,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rl_step = _learner.make_rl_step(learner, sampler) if fused else None
   log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
   total = int(config.rl.iterations)
+  stop_reason = cursor.get("stop")
   bar = None
-  if config.log.progress_bar and not cursor["done"]:
+  if config.log.progress_bar and start < total and stop_reason is None:
     import tqdm  # noqa: PLC0415
 
     bar = tqdm.tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
   rl_time = float(cursor["rl_time_s"])
   dev_accuracy = None
-  stop_reason = cursor.get("stop")
   iteration = start
   phase_start = time.perf_counter()
-  while not cursor["done"] and iteration < total:
+  while stop_reason is None and iteration < total:
     examples = source.next_batch()
     rng = jax.random.fold_in(rollout_key, iteration)
     t0 = time.perf_counter()
@@ -251,7 +250,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         "iteration": iteration,
         "rl_time_s": rl_time,
         "elapsed_s": elapsed_before + time.perf_counter() - wall_start,
-        "done": done,
         "stop": stop_reason,
       }
       ckpt.save(

@@ -1,0 +1,117 @@
+"""rlx.rl: config validation, advantages by baseline, batch layout, prompt cursor (no model)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import rl_test_utils
+
+from rlx import objectives, rl
+
+
+@pytest.mark.parametrize(
+  "overrides, match",
+  [
+    ({"train.loss": "nope"}, "config.train.loss"),
+    ({"rl.baseline": "mean"}, "config.rl.baseline"),
+    ({"rl.num_samples": 1}, "must be >= 2 for the 'grpo'"),
+    ({"rl.num_samples": 1, "rl.baseline": "rloo"}, "must be >= 2 for the 'rloo'"),
+    ({"rl.num_samples": 3, "rl.baseline": "median"}, "even and >= 2 for the 'median'"),
+    ({"rl.temperature": 0.0}, "config.rl.temperature"),
+    ({"rl.iterations": 0}, "config.rl.iterations"),
+    ({"rl.rollout": "async"}, "config.rl.rollout"),
+    ({"warmup.target_dev_accuracy": 1.5}, "config.warmup.target_dev_accuracy"),
+    ({"warmup.on_cap": "ignore"}, "config.warmup.on_cap"),
+    ({"train.kl_kind": "k9"}, "config.kl_kind"),
+    ({"checkpoint.every": 0}, "config.checkpoint.every"),
+  ],
+)
+def test_bad_config_raises(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    rl.validate_config(rl_test_utils.tiny_config(**overrides))
+
+
+def test_unknown_task_raises_before_any_work(tmp_path):
+  with pytest.raises(ValueError, match="Unknown task 'nope'"):
+    rl.run(rl_test_utils.tiny_config(**{"task.name": "nope"}), str(tmp_path))
+
+
+def test_default_and_experiment_configs_validate():
+  rl.validate_config(rl.get_config())
+  assert rl.samples_per_prompt(rl_test_utils.tiny_config(**{"rl.baseline": "median"})) == 5
+  assert rl.train_config(rl_test_utils.tiny_config(**{"rl.temperature": 0.7})).temperature == 0.7
+
+
+@pytest.mark.parametrize("baseline", rl.BASELINES)
+def test_group_advantages_match_objectives(baseline):
+  k = 5 if baseline == "median" else 4
+  rewards = jnp.asarray(np.random.default_rng(0).integers(0, 2, 3 * k), jnp.float32)
+  adv, keep = rl.group_advantages(rewards, k, baseline)
+  grouped = rewards.reshape(3, k)
+  if baseline == "median":
+    want, want_keep = objectives.median_advantages(grouped)
+    np.testing.assert_array_equal(np.asarray(keep).reshape(3, k).sum(1), [k - 1] * 3)
+  else:
+    fn = {
+      "grpo": objectives.grpo_advantages,
+      "drgrpo": objectives.drgrpo_advantages,
+      "rloo": objectives.rloo_advantages,
+    }[baseline]
+    want, want_keep = fn(grouped), jnp.ones_like(grouped)
+  np.testing.assert_allclose(np.asarray(adv), np.asarray(want).reshape(-1), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(keep), np.asarray(want_keep).reshape(-1))
+
+
+def test_group_advantages_bad_inputs():
+  with pytest.raises(ValueError, match="baseline"):
+    rl.group_advantages(jnp.zeros(8), 4, "mean")
+  with pytest.raises(ValueError, match="multiple of group_size=3"):
+    rl.group_advantages(jnp.zeros(8), 3, "grpo")
+  with pytest.raises(ValueError, match="odd number"):
+    rl.group_advantages(jnp.zeros(8), 4, "median")
+
+
+def test_build_rollout_batch_layout():
+  prompts = np.asarray([[5, 6, 7], [8, 9, 0]], np.int32)
+  plen = np.asarray([3, 2], np.int32)
+  resp = np.asarray([[1, 2, 0, 0], [3, 4, 2, 0]], np.int32)
+  logp = np.asarray([[-0.1, -0.2, 0, 0], [-0.3, -0.4, -0.5, 0]], np.float32)
+  rlen = np.asarray([2, 3], np.int32)
+  b = rl.build_rollout_batch(
+    prompts, plen, resp, logp, rlen, np.asarray([False, True]), np.asarray([0, 0]), 7
+  )
+  np.testing.assert_array_equal(b.tokens, [[5, 6, 7, 1, 2, 0, 0], [8, 9, 3, 4, 2, 0, 0]])
+  np.testing.assert_array_equal(b.prompt_mask[1], [1, 1, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(b.response_mask[0], [0, 0, 0, 1, 1, 0, 0])
+  np.testing.assert_allclose(b.rollout_logp[1], [0, 0, -0.3, -0.4, -0.5, 0, 0])
+  np.testing.assert_array_equal(b.policy_version[0], [-1, -1, -1, 7, 7, -1, -1])
+  assert b.finish_reasons == ["length", "stop"]
+  assert b.responses() == [[1, 2], [3, 4, 2]]
+  completion, lengths = rl.response_arrays(b)
+  np.testing.assert_array_equal(completion[1, :4], [3, 4, 2, 0])
+  tb = rl.train_batch(b.with_rewards([1.0, 0.0]), jnp.asarray([0.5, -0.5]), jnp.asarray([1.0, 0.0]))
+  np.testing.assert_array_equal(tb["loss_mask"][1], np.zeros(7))
+  np.testing.assert_array_equal(tb["loss_mask"][0], b.response_mask[0])
+  with pytest.raises(ValueError, match="rewards"):
+    b.with_rewards([1.0])
+  with pytest.raises(ValueError, match="response_lengths"):
+    rl.build_rollout_batch(prompts, plen, resp, logp, rlen[:1], rlen, rlen, 0)
+
+
+def test_prompt_source_resumes_exactly():
+  examples = list(range(10))
+  a = rl.PromptSource(examples, batch_size=4, seed=3)
+  first = [a.next_batch() for _ in range(2)]
+  b = rl.PromptSource(examples, batch_size=4, seed=3, cursor=a.cursor)
+  rest_a, rest_b = [a.next_batch() for _ in range(3)], [b.next_batch() for _ in range(3)]
+  assert rest_a == rest_b
+  seen = [x for batch in first + rest_a for x in batch]
+  assert sorted(seen[:10]) == examples  # an epoch covers every example once
+  with pytest.raises(ValueError, match="empty"):
+    rl.PromptSource([], batch_size=2, seed=0)
+
+
+def test_pad_prompts_rejects_long_or_empty():
+  with pytest.raises(ValueError, match="outside"):
+    rl.pad_prompts([[1, 2, 3]], 2)
+  with pytest.raises(ValueError, match="empty"):
+    rl.pad_prompts([], 2)

@@ -1,0 +1,114 @@
+"""rlx.rl: one iteration for every loss x baseline, and make_rl_step == the host iteration."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import rl_test_utils
+
+from rlx import objectives, rl, tasks, train
+from rlx.rl import _rollout
+
+TASK = rl_test_utils.register_first_token_task()
+
+
+@functools.cache
+def _setup():
+  """One tiny task / model / mesh / sampler shared by every test here."""
+  config = rl_test_utils.tiny_config(**{"task.name": TASK, "rl.prompts_per_iteration": 2})
+  task = tasks.make_task(TASK, **config.task.kwargs.to_dict())
+  mesh = rl.build_mesh(config)
+  model_config, params = rl.build_model(config, task)
+  kwargs = _rollout.sampler_kwargs(config, task, rows=10, greedy=False)
+  sampler = _rollout.make_sampler(model_config, kwargs, mesh)
+  logprobs = train.make_compute_logprobs(model_config, rl.train_config(config), mesh)
+  return config, task, mesh, model_config, params, sampler, logprobs, kwargs
+
+
+def _state(config, params, model_config, mesh):
+  cfg = rl.train_config(config)
+  return train.create_train_state(params, model_config, cfg, mesh, rng=jax.random.PRNGKey(1))
+
+
+@pytest.mark.parametrize("loss", sorted(objectives.POLICY_LOSSES))
+def test_every_loss_and_baseline_runs_one_iteration(loss):
+  config0, task, mesh, model_config, params, sampler, logprobs, kwargs = _setup()
+  step = None
+  examples = list(task.split("train")[:2])
+  for baseline in rl.BASELINES:
+    # G = 5 (grpo/drgrpo/rloo) and G + 1 = 5 (median): one batch shape, one compile per loss.
+    config = rl_test_utils.tiny_config(
+      **{
+        "task.name": TASK,
+        "train.loss": loss,
+        "rl.baseline": baseline,
+        "rl.num_samples": 4 if baseline == "median" else 5,
+      }
+    )
+    learner = rl.Learner(
+      config, task, model_config, mesh, train_step=step, compute_logprobs=logprobs
+    )
+    step = learner.train_step
+    k = learner.group_size
+    rollout = rl.SyncRollout(
+      sampler,
+      num_samples=k,
+      max_prompt_len=kwargs["max_prompt_len"],
+      max_new_tokens=kwargs["max_new_tokens"],
+    )
+    state = _state(config, params, model_config, mesh)
+    state, metrics, batch = learner.iteration(state, None, rollout, examples, jax.random.PRNGKey(2))
+    assert k == 5 and batch.num_rows == 10
+    assert int(train.to_host(state.step)) == 1
+    for name in ("loss", "reward_mean", "grad_norm", "time/rollout_s", "time/train_s"):
+      assert np.isfinite(metrics[name]), (loss, baseline, name, metrics[name])
+    assert metrics["skipped"] == 0
+
+
+def test_rl_step_equals_host_iteration():
+  config, task, mesh, model_config, params, sampler, logprobs, kwargs = _setup()
+  config = rl_test_utils.tiny_config(
+    **{"task.name": TASK, "train.kl_coef": 0.05, "rl.num_samples": 5}
+  )
+  learner = rl.Learner(config, task, model_config, mesh, compute_logprobs=logprobs)
+  examples = list(task.split("train")[:2])
+  rng = jax.random.PRNGKey(7)
+  ref = jax.tree.map(lambda x: x + 0.0, _state(config, params, model_config, mesh).params)
+  rollout = rl.SyncRollout(
+    sampler,
+    num_samples=5,
+    max_prompt_len=kwargs["max_prompt_len"],
+    max_new_tokens=kwargs["max_new_tokens"],
+  )
+  host_state, host_metrics, batch = learner.iteration(
+    _state(config, params, model_config, mesh), ref, rollout, examples, rng
+  )
+  assert 0 < host_metrics["reward_mean"] < 1, "the test needs non-zero advantages"
+  rl_step = rl.make_rl_step(learner, sampler)
+  fused_state, fused_metrics = rl_step.from_examples(
+    _state(config, params, model_config, mesh), ref, examples, rng
+  )
+  fused_metrics = {k: float(v) for k, v in train.to_host(fused_metrics).items()}
+  for name in ("reward_mean", "response_length", "loss", "kl_loss", "grad_norm", "entropy"):
+    np.testing.assert_allclose(fused_metrics[name], host_metrics[name], rtol=1e-5, atol=1e-6)
+  assert not rl_test_utils.params_allclose(host_state.params, params)
+  assert rl_test_utils.params_allclose(fused_state.params, host_state.params, atol=1e-6)
+
+
+def test_rl_step_bad_inputs():
+  config, task, mesh, model_config, params, sampler, logprobs, kwargs = _setup()
+  config = rl_test_utils.tiny_config(**{"task.name": TASK, "rl.num_samples": 5})
+  learner = rl.Learner(config, task, model_config, mesh, compute_logprobs=logprobs)
+  rl_step = rl.make_rl_step(learner, sampler)
+  state = _state(config, params, model_config, mesh)
+  tokens, lengths = rl.pad_prompts([e.prompt_ids for e in task.split("train")[:2]], rl_step.width)
+  ids, alen = task.answer_arrays(task.split("train")[:2])
+  with pytest.raises(ValueError, match="prompt_lengths"):
+    rl_step(state, None, tokens, lengths[:1], ids, alen, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match="max_prompt_len"):
+    rl_step(state, None, tokens[:, :-1], lengths, ids, alen, jax.random.PRNGKey(0))
+  host_config = rl_test_utils.tiny_config(**{"task.name": TASK, "rl.reward": "host"})
+  host_learner = rl.Learner(host_config, task, model_config, mesh, compute_logprobs=logprobs)
+  with pytest.raises(ValueError, match="needs a JAX reward"):
+    rl.make_rl_step(host_learner, sampler)

@@ -1,0 +1,12 @@
+"""Config file for the subprocess tests: `--config=tests/rl/tiny_arithmetic_config.py`."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import rl_test_utils  # noqa: E402
+
+
+def get_config():
+  return rl_test_utils.run_config()
