@@ -4,11 +4,16 @@ For each mesh layout (data x fsdp x tensor) the same small policy and the same
 rollout batch run through `rlx.train.make_train_step` (PPO clip, token-mean,
 AdamW, one optimizer update per step unless flags say otherwise). After one
 warm-up (compiling) step, `--steps` steps are timed on host with
-`block_until_ready`; reported side by side:
+`block_until_ready` after each, then `--steps` more are dispatched without any
+wait and timed by the step's `ThroughputMeter` (one sync when read); reported
+side by side:
 
-  step_ms      median wall time of one train step;
+  step_ms      median wall time of one synced train step;
   tokens/s     B * S / step time (all processed positions, prompt + response
                + padding, i.e. what the forward/backward pays for);
+  async tok/s  the same from `train_step.throughput.read()` over the
+               asynchronously dispatched steps (dispatch of the first to
+               completion of the last);
   ratio        tokens/s relative to the first layout of the run;
   compile_s    wall time of the first (compiling) call;
   temp MiB     XLA's temporary-buffer size of the compiled step per device
@@ -176,6 +181,10 @@ def _run_layout(
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
   loss = float(train.to_host(metrics)["loss"])
+  step.throughput.read()  # start a fresh window
+  for _ in range(_STEPS.value):
+    state, metrics = step(state, batch)  # asynchronous: no wait per step
+  async_tps = step.throughput.read()["tokens_per_second"]
   memory = step.lower(state, batch).compile().memory_analysis()  # cached: no recompile
   temp_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else None
   step_s = statistics.median(times)
@@ -187,6 +196,7 @@ def _run_layout(
     gather=gather_mode or "-",
     step_ms=1e3 * step_s,
     tps=tokens_per_s,
+    async_tps=async_tps,
     compile_s=compile_s,
     temp_mib=temp_mib,
     mfu=mfu,
@@ -219,18 +229,20 @@ def main(argv):
     f"{mc.num_heads}/{mc.num_kv_heads}, vocab {mc.vocab_size}, {mc.param_dtype}. Batch "
     f"B={_BATCH.value} x S={_SEQ.value} (prompt {_PROMPT.value}), loss {_LOSS.value}, "
     f"micro_batches {_MICRO.value}, gather_fsdp_params {_GATHER.value}, median of "
-    f"{_STEPS.value} steps after a compiling one.",
+    f"{_STEPS.value} synced steps after a compiling one, then {_STEPS.value} asynchronous "
+    "ones.",
     "",
-    "| layout (data x fsdp x tensor) | fsdp gather | step ms | tokens/s | ratio | compile s "
-    "| temp MiB | MFU | loss |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    "| layout (data x fsdp x tensor) | fsdp gather | step ms | tokens/s | async tok/s | ratio "
+    "| compile s | temp MiB | MFU | loss |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (CPU)"
     temp = f"{r['temp_mib']:.1f}" if r["temp_mib"] is not None else "n/a"
     lines.append(
       f"| {r['layout']} | {r['gather']} | {r['step_ms']:.1f} | {r['tps']:.0f} | "
-      f"{r['tps'] / base:.2f} | {r['compile_s']:.1f} | {temp} | {mfu} | {r['loss']:.6f} |"
+      f"{r['async_tps']:.0f} | {r['tps'] / base:.2f} | {r['compile_s']:.1f} | {temp} | "
+      f"{mfu} | {r['loss']:.6f} |"
     )
   lines += ["", "Rerun: `python " + " ".join([sys.argv[0]] + _rerun_flags()) + "`", ""]
   table = "\n".join(lines)

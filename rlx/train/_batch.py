@@ -50,8 +50,9 @@ def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_sh
     )
   tokens = batch["tokens"]
   shape = tuple(np.shape(tokens))
-  if len(shape) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"`tokens` must be an int array [B, S], got {tokens.dtype}{shape}.")
+  dtype = getattr(tokens, "dtype", None) or np.asarray(tokens).dtype
+  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"`tokens` must be an int array [B, S], got {dtype}{list(shape)}.")
   _placement.check_not_empty(shape, "batch['tokens']")
   for key in TOKEN_SHAPED_KEYS:
     if key in batch and tuple(np.shape(batch[key])) != shape:

@@ -358,7 +358,7 @@ def test_batch_validation_errors():
     tl.fns("single", kl_coef=0.1)[2](state, good)
   with pytest.raises(ValueError, match="divisible by mini_batches"):
     tl.fns("single", mini_batches=3)[2](state, good)
-  with pytest.raises(ValueError, match="`tokens` has 12 rows, not divisible"):
+  with pytest.raises(ValueError, match=r"Batch size 12 must be divisible by .* = 8"):
     tl.fns("data8")[2](state, {k: v[:12] for k, v in good.items()})
   with pytest.raises(ValueError, match="`state` must be a rlx.train.TrainState"):
     step_fn(state.params, good)
