@@ -183,6 +183,7 @@ class Sampler:
     self.config = config
     self.mesh = mesh
     self._engine = engine_for(model_config, compile_key(config), mesh)
+    self._pool = None
 
   def _knobs(self, max_steps: int, exit_after: int):
     """This sampler's (not the shared engine's) traced sampling knobs."""
@@ -330,7 +331,11 @@ class Sampler:
         np.int32(P),
       )
     )
-    pool = eng.empty_pool(P)
+    # The pool buffer is reused across calls (donated through every step): stale
+    # page contents are never read, a slot only attends to positions it wrote.
+    pool, self._pool = self._pool, None
+    if pool is None:
+      pool = eng.empty_pool(P)
     stats = collections.Counter()
     peak = 0
     page_sh, slot_sh = eng.state_shardings()
@@ -508,6 +513,7 @@ class Sampler:
         stats["preemptions"] += 1
         blocked = [b for b in blocked if b != s]
     drop_holders()
+    self._pool = pool
 
     wall = time.perf_counter() - t0
     n = len(requests)
@@ -615,7 +621,8 @@ class Sampler:
       )
     if n % num_samples:
       raise ValueError(f"N={n} rows must be a multiple of num_samples={num_samples}.")
-    self._check_rng(rng) if not isinstance(rng, jax.core.Tracer) else None
+    if not isinstance(rng, jax.core.Tracer):
+      self._check_rng(rng)
     self._check_params(params)
     if not isinstance(prompt_tokens, jax.core.Tracer):
       policy.check_tokens(prompt_tokens, self.model_config.vocab_size, "prompt_tokens")
