@@ -250,6 +250,40 @@ def test_top_k_top_p_sampler_never_emits_excluded_tokens(params):
       assert seqs[r, s] in nucleus
 
 
+def _pool_materialisations(hlo: str, layer_pool: tuple, num_layers: int):
+  """Top-level HLO ops that materialise a layer's pool or copy/slice the stacked pool.
+
+  Ops inside fusion computations are skipped: there a dynamic-slice of the pool
+  is computed lazily by its consumer (the page gather), element by element.
+  Returns (offending lines, number of ops producing the stacked pool shape).
+  """
+  full_pool = (num_layers, *layer_pool)
+  bad, seen = [], 0
+  for block in re.split(r"\n(?=\S)", hlo):
+    if block.startswith(("%fused", "%wrapped")):
+      continue
+    for line in block.splitlines()[1:]:
+      found = re.match(r"\s*(ROOT )?%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", line)
+      if not found:
+        continue
+      dims = tuple(int(d) for d in found.group(2).split(",") if d)
+      op = found.group(3)
+      seen += dims == full_pool
+      if dims in (layer_pool, (1, *layer_pool)) and op != "bitcast":
+        bad.append(line.strip()[:160])
+      elif dims == full_pool and op in ("copy", "dynamic-slice", "slice", "concatenate"):
+        bad.append(line.strip()[:160])
+  return bad, seen
+
+
+def test_pool_check_flags_a_materialised_layer():
+  """Negative control of the HLO check below: slicing a layer out and using it is caught."""
+  pool = jnp.zeros((2, 2, 48, 4, 8))
+  hlo = jax.jit(lambda p, i: jnp.sin(p[i]) + 1).lower(pool, 1).compile().as_text()
+  bad, _ = _pool_materialisations(hlo, (2, 48, 4, 8), 2)
+  assert bad
+
+
 def test_decode_step_reads_pages_without_copying_the_pool(params):
   """Compiled decode loop: the stacked pool is updated in place, never copied or sliced whole."""
   sampler = sampling.Sampler(MODEL, BASE)
@@ -274,21 +308,6 @@ def test_decode_step_reads_pages_without_copying_the_pool(params):
   hlo = eng.decode.lower(*args, knobs, allocate=True).compile().as_text()
   m = MODEL
   layer_pool = (m.num_kv_heads, BASE.num_pages, BASE.page_size, m.head_dim)
-  full_pool = (m.num_layers, *layer_pool)
-  bad, seen = [], 0
-  for block in re.split(r"\n(?=\S)", hlo):
-    if block.startswith(("%fused", "%wrapped")):
-      continue  # inside a fusion a dynamic-slice is read lazily by its consumer
-    for line in block.splitlines()[1:]:
-      found = re.match(r"\s*(ROOT )?%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", line)
-      if not found:
-        continue
-      dims = tuple(int(d) for d in found.group(2).split(",") if d)
-      op = found.group(3)
-      seen += dims == full_pool
-      if dims in (layer_pool, (1, *layer_pool)) and op not in ("bitcast",):
-        bad.append(line.strip()[:160])  # a materialised [Hkv, P, page, D] layer pool
-      elif dims == full_pool and op in ("copy", "dynamic-slice", "slice", "concatenate"):
-        bad.append(line.strip()[:160])
+  bad, seen = _pool_materialisations(hlo, layer_pool, m.num_layers)
   assert not bad, bad
   assert seen  # the check looked at the right shapes
