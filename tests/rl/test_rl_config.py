@@ -115,3 +115,27 @@ def test_pad_prompts_rejects_long_or_empty():
     rl.pad_prompts([[1, 2, 3]], 2)
   with pytest.raises(ValueError, match="empty"):
     rl.pad_prompts([], 2)
+
+
+def test_sweep_grid_and_table():
+  grid = rl.parse_grid("train.loss=ppo,cispo;rl.num_samples=4,8")
+  assert grid == {"train.loss": ["ppo", "cispo"], "rl.num_samples": [4, 8]}
+  points = rl.grid_points(grid)
+  assert len(points) == 4 and points[1] == {"train.loss": "ppo", "rl.num_samples": 8}
+  assert rl.grid_points(rl.parse_grid("")) == [{}]
+  with pytest.raises(ValueError, match="field=v1,v2"):
+    rl.parse_grid("train.loss")
+  rows = [
+    {
+      "point": "loss=ppo",
+      "seed": s,
+      "accuracy_before": 0.3,
+      "accuracy_after": a,
+      "improvement_points": 100 * (a - 0.3),
+      "wall_time_s": 100.0,
+      "iterations": 5,
+    }
+    for s, a in ((0, 0.7), (1, 0.8))
+  ]
+  table = rl.sweep_table(rows)
+  assert "| loss=ppo | 2 | 0.300 (0.300..0.300) | 0.750 (0.700..0.800) |" in table
