@@ -30,6 +30,14 @@ scheduler (Kwon et al. 2023, https://arxiv.org/abs/2309.06180):
   prompt lengths (once for max_slots <= 8).
   The decode loop compiles once per sampler (fixed shapes; every count,
   threshold and scale is a traced argument).
+
+Benchmarking: `Completions.stats` has tokens_per_s (generated tokens over the
+call's wall time: warm up first, the first call compiles), decode_steps,
+preemptions and peak_pages_used. Static vs continuous batching: the same
+`SamplerConfig` with `continuous_batching=False` (waves: a new batch is
+admitted only when all slots are idle, windows never end early) vs True.
+Pool size: the same work with `num_pages` scaled (a decode step gathers only
+the pages its slots' tables name, so its cost follows the tokens).
 """
 
 import collections
