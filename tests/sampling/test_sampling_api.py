@@ -140,6 +140,9 @@ def test_fp8_kv_runs_close_to_float32():
   # FP8 KV perturbs the logits slightly; the first tokens (short contexts) agree.
   np.testing.assert_array_equal(a.tokens[:, :1], b.tokens[:, :1])
   np.testing.assert_allclose(a.logprobs[:, 0], b.logprobs[:, 0], atol=0.1)
+  # Scales are traced arrays: recalibrating them never recompiles.
+  fp8.generate(params, prompts, rng=jax.random.key(0), kv_scales=(k_amax / 150.0, v_amax / 90.0))
+  assert fp8._engine.decode._cache_size() == 1 and fp8._engine.prefill._cache_size() == 1
 
 
 # ------------------------------------------------------------------------------------------
