@@ -51,6 +51,7 @@ def test_bench_sampler_runs_every_table(tmp_path):
       "--prefix_len=9",
       "--group=2",
       "--repeats=1",
+      "--notail_transformers",
       f"--out={out}",
     ],
     env=env,
