@@ -192,7 +192,8 @@ class Checkpointer:
       )
     items = {
       "state": ocp.args.StandardSave(state),
-      "cursor": ocp.args.JsonSave({"data_cursor": data_cursor}),
+      # `has_extra` lets restore tell a missing extra item (damage) from none saved.
+      "cursor": ocp.args.JsonSave({"data_cursor": data_cursor, "has_extra": extra is not None}),
     }
     if extra is not None:
       if not jax.tree.leaves(extra):
@@ -357,19 +358,25 @@ class Checkpointer:
     if "state" not in items or saved_state is None:
       raise self._unreadable(step, KeyError("no `state` item"))
     abstract = jax.tree.map(_as_abstract, target)
-    _check_matches(saved_state, abstract, step, self.directory)
+    _check_matches(saved_state, abstract, step, self.directory, "target")
     args = {
       "state": ocp.args.StandardRestore(abstract),
       "cursor": ocp.args.JsonRestore(),
     }
     has_extra = "extra" in items and metadata["extra"] is not None
     if has_extra:
+      if extra_target is not None:
+        extra_abstract = jax.tree.map(_as_abstract, extra_target)
+        _check_matches(metadata["extra"], extra_abstract, step, self.directory, "extra_target")
       args["extra"] = ocp.args.StandardRestore(extra_target)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**args))
       cursor = restored["cursor"]["data_cursor"]
+      saved_extra = restored["cursor"].get("has_extra", has_extra)
     except Exception as e:
       raise self._unreadable(step, e) from e
+    if saved_extra and not has_extra:
+      raise self._unreadable(step, FileNotFoundError("the saved `extra` item is missing"))
     self._good.add(step)
     self._broken.discard(step)
     return Restored(
@@ -411,8 +418,8 @@ def _path_names(path: Sequence[Any]) -> tuple[str, ...]:
   return tuple(names)
 
 
-def _check_matches(saved: Any, abstract: Any, step: int, directory: Any) -> None:
-  """Raises ValueError if the saved state's leaves (orbax metadata) differ from the target's."""
+def _check_matches(saved: Any, abstract: Any, step: int, directory: Any, name: str) -> None:
+  """Raises ValueError if a saved item's leaves (orbax metadata) differ from the target's."""
   tree = getattr(saved, "tree", saved)
   have = {
     _path_names(p): tuple(leaf.shape)
@@ -435,7 +442,7 @@ def _check_matches(saved: Any, abstract: Any, step: int, directory: Any) -> None
       f"; ... ({len(problems)} in all)" if len(problems) > 6 else ""
     )
     raise ValueError(
-      f"Checkpoint step {step} in {directory} holds a state that does not match `target` "
+      f"Checkpoint step {step} in {directory} holds an item that does not match `{name}` "
       f"(another model config or optimizer?): {shown}."
     )
 

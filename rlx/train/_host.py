@@ -116,7 +116,12 @@ class TrainStep:
       )
     if not isinstance(batch, Mapping):
       raise ValueError(f"`batch` must be a dict of arrays, got {type(batch).__name__}.")
-    check_state(state, self.abstract_state)
+    _state.check_like(
+      state,
+      self.abstract_state,
+      "state",
+      "the step's TrainState (same model config and optimizer?)",
+    )
     _batch.check_batch(batch, self.config, _mesh.batch_axis_size(self.mesh))
     _batch.check_token_ids(batch["tokens"], self.vocab_size, "batch['tokens']")
     return _placement.place_batch(batch, self.mesh)
@@ -124,19 +129,3 @@ class TrainStep:
   def lower(self, state: _state.TrainState, batch: Mapping[str, Any]):
     """`jax.stages.Lowered` of the step (e.g. to inspect the compiled HLO)."""
     return self.jitted.lower(state, _placement.place_batch(batch, self.mesh))
-
-
-def check_state(state: _state.TrainState, abstract: _state.TrainState) -> None:
-  """Raises ValueError naming the first leaf of `state` whose structure, shape or dtype differs."""
-  _mesh.check_same_structure(
-    state, abstract, "state", "the step's TrainState (same model config and optimizer?)"
-  )
-  for (path, leaf), want in zip(
-    jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(abstract), strict=True
-  ):
-    shape, dtype = tuple(np.shape(leaf)), getattr(leaf, "dtype", None)
-    if shape != tuple(want.shape) or dtype != want.dtype:
-      raise ValueError(
-        f"`state{jax.tree_util.keystr(path)}` is {dtype}{list(shape)}, the step expects "
-        f"{want.dtype}{list(want.shape)} (a state of another model config or optimizer?)."
-      )

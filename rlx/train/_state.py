@@ -106,6 +106,7 @@ def create_train_state(
   """
   _config.validate_config(train_config)
   policy.check_params(params, model_config)
+  check_like(params, _abstract_params(model_config), "params", "the params of `model_config`")
   rng = jnp.asarray(rng)
   if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
     rng = jax.random.key_data(rng)
@@ -147,9 +148,7 @@ def abstract_train_state(
   Returns:
     A `TrainState` whose leaves are `jax.ShapeDtypeStruct` with `.sharding`.
   """
-  params = jax.eval_shape(
-    functools.partial(policy.init_params, model_config), jax.random.PRNGKey(0)
-  )
+  params = _abstract_params(model_config)
   optimizer = _resolve_optimizer(optimizer, train_config)
   shapes = TrainState(
     step=jax.ShapeDtypeStruct((), jnp.int32),
@@ -177,3 +176,30 @@ def _resolve_optimizer(
       f"{type(optimizer).__name__}."
     )
   return optimizer
+
+
+def check_like(tree: Any, abstract: Any, name: str, what: str) -> None:
+  """Raises ValueError naming the first leaf of `tree` whose structure, shape or dtype differs.
+
+  Args:
+    tree: a pytree of arrays (e.g. a `TrainState`).
+    abstract: the expected pytree of `jax.ShapeDtypeStruct`s.
+    name: the argument's name in messages (e.g. "state").
+    what: what `abstract` is, for the structure message.
+  """
+  _mesh.check_same_structure(tree, abstract, name, what)
+  for (path, leaf), want in zip(
+    jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(abstract), strict=True
+  ):
+    shape, dtype = tuple(np.shape(leaf)), getattr(leaf, "dtype", None)
+    if dtype is None:
+      dtype = np.asarray(leaf).dtype
+    if shape != tuple(want.shape) or dtype != want.dtype:
+      raise ValueError(
+        f"`{name}{jax.tree_util.keystr(path)}` is {dtype}{list(shape)}, expected "
+        f"{want.dtype}{list(want.shape)} (another model config, dtype or optimizer?)."
+      )
+
+
+def _abstract_params(model_config: Any) -> Any:
+  return jax.eval_shape(functools.partial(policy.init_params, model_config), jax.random.PRNGKey(0))

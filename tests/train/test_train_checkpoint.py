@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -224,3 +225,23 @@ def test_a_run_killed_mid_save_leaves_only_loadable_steps(tmp_path):
       assert ckpt.all_steps() == [1]
       restored = ckpt.restore(train.abstract_train_state(tl.model_config(), cfg, m))
   assert restored.step == 1 and restored.data_cursor == {"next_batch": 1}
+
+
+@pytest.mark.parametrize("damage", ["missing extra", "missing state", "garbage cursor"])
+def test_other_damage_to_the_newest_step_also_falls_back(tmp_path, damage):
+  m, cfg, _, _ = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  with train.Checkpointer(tmp_path) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, state, data_cursor=step, extra={"buffer": np.arange(step + 2)})
+  step_dir = tmp_path / "2"
+  if damage == "missing extra":  # would otherwise restore silently without the buffer
+    shutil.rmtree(step_dir / "extra")
+  elif damage == "missing state":
+    shutil.rmtree(step_dir / "state")
+  else:
+    (step_dir / "cursor" / "metadata").write_text("{not json")
+  with train.Checkpointer(tmp_path) as ckpt:
+    with pytest.warns(UserWarning, match=r"step 2 in .* cannot be read"):
+      restored = ckpt.restore(train.abstract_train_state(tl.model_config(), cfg, m))
+  assert restored.step == 1 and list(restored.extra["buffer"]) == [0, 1, 2]

@@ -93,6 +93,12 @@ def test_params_or_state_of_another_model_config_are_rejected():
   wrong_state = train.create_train_state(wrong, other, cfg, m, rng=jax.random.PRNGKey(1))
   with pytest.raises(ValueError, match=r"`state.params\['embed'\]\['embedding'\]` is float32"):
     step_fn(wrong_state, batch)
+  # Params of the right shapes in another dtype: named at creation.
+  half = jax.tree.map(
+    lambda x: x.astype(jax.numpy.bfloat16), policy.init_params(mc, jax.random.PRNGKey(0))
+  )
+  with pytest.raises(ValueError, match=r"`params\['embed'\]\['embedding'\]` is bfloat16"):
+    train.create_train_state(half, mc, cfg, m, rng=jax.random.PRNGKey(1))
   # An optimizer state of another optimizer, likewise.
   with pytest.raises(ValueError, match="`state` has tree structure"):
     step_fn(state.replace(opt_state=state.opt_state[1]), batch)
