@@ -1,7 +1,7 @@
-"""The train batch contract: keys, shapes, divisibility and token-id range.
+"""The train batch contract: keys, shapes, divisibility, token-id range and a 0/1 mask.
 
 `check_batch` reads only shapes and dtypes, so it runs at trace time inside a
-jitted step as well as on host. `check_token_ids` reads values and runs on host
+jitted step as well as on host. `check_values` reads values and runs on host
 before dispatch (under jit an id outside [0, vocab) would not raise: the
 embedding lookup clamps or fills it and the step trains on a wrong token or
 skips a NaN update).
@@ -77,42 +77,61 @@ def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_sh
     raise ValueError("`ref_logp` is required when kl_coef > 0 (see compute_logprobs).")
 
 
-def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
-  """Raises ValueError if any id of `tokens` is outside [0, vocab_size).
+def check_values(batch: Mapping[str, Any], vocab_size: int) -> None:
+  """Raises ValueError if a token id is outside [0, vocab_size) or `loss_mask` is not 0/1.
 
-  Host arrays are checked with numpy (free). A `jax.Array` is checked by one
-  small jitted min/max reduction whose two numbers the host fetches: that
-  waits until the device reaches it (after work already queued, e.g. the
-  previous step), and gives every process of a multi-process run the same
-  answer. The last device array checked is remembered, so the same batch
+  Under jit neither would raise: an id outside the vocabulary is clamped or
+  filled by the embedding lookup (training on another token, or a NaN and a
+  skipped update), and a mask value such as 0.5 would silently count as 1.
+
+  Host (numpy) arrays are checked with numpy (free). Device arrays are
+  checked by one small jitted reduction whose three numbers the host fetches:
+  that waits until the device reaches it (after work already queued, e.g. the
+  previous step) and gives every process of a multi-process run the same
+  answer. The last device batch checked is remembered, so the same batch
   passed to `compute_logprobs` and then to the train step is reduced once.
-  Pass host (numpy) tokens, or trace `step_fn` in your own jit, to avoid the
-  wait. Padding must use a valid id too (e.g. 0 or the pad id): every
-  position goes through the embedding.
+  Pass host arrays, or trace `step_fn` in your own jit, to avoid the wait.
+  Padding must use a valid id too (e.g. 0 or the pad id): every position goes
+  through the embedding.
+
+  Args:
+    batch: dict with `tokens` (int `[B, S]`) and `loss_mask` (`[B, S]`).
+    vocab_size: the policy's vocabulary size.
   """
   global _last_checked
-  if isinstance(tokens, jax.Array):
+  tokens, mask = batch["tokens"], batch["loss_mask"]
+  key = (tokens, mask)
+  if any(isinstance(x, jax.Array) for x in key):
     last = _last_checked
-    if last is not None and last[0]() is tokens and last[1] == vocab_size:
+    same = last is not None and all(r() is x for r, x in zip(last[0], key, strict=True))
+    if same and last[1] == vocab_size:
       return
-    low, high = (int(v) for v in _distributed.to_host(_min_max(tokens)))
-    if 0 <= low and high < vocab_size:
-      _last_checked = (weakref.ref(tokens), vocab_size)
+    low, high, non_binary = (int(v) for v in _distributed.to_host(_summary(tokens, mask)))
   else:
-    host = np.asarray(tokens)
-    low, high = int(host.min()), int(host.max())
+    host_tokens, host_mask = np.asarray(tokens), np.asarray(mask)
+    low, high = int(host_tokens.min()), int(host_tokens.max())
+    non_binary = int(np.sum((host_mask != 0) & (host_mask != 1)))
   if low < 0 or high >= vocab_size:
     raise ValueError(
-      f"`{name}` ids must be in [0, vocab_size={vocab_size}), got min {low} and max {high} "
-      "(pad with a valid id such as 0; -1 or ids >= vocab_size would silently train on "
+      f"`batch['tokens']` ids must be in [0, vocab_size={vocab_size}), got min {low} and max "
+      f"{high} (pad with a valid id such as 0; -1 or ids >= vocab_size would silently train on "
       "another token or give NaN under jit)."
     )
+  if non_binary:
+    raise ValueError(
+      f"`batch['loss_mask']` must be bool or 0/1, got {non_binary} other value(s) (a "
+      "fractional mask would count as 1; per-token weights are not a mask)."
+    )
+  if all(isinstance(x, jax.Array) for x in key):
+    _last_checked = (tuple(weakref.ref(x) for x in key), vocab_size)
 
 
-# (weak reference to the last device array found in range, its vocab_size)
-_last_checked: tuple[weakref.ref, int] | None = None
+# (weak references to the last device (tokens, loss_mask) found valid, its vocab_size)
+_last_checked: tuple[tuple[weakref.ref, weakref.ref], int] | None = None
 
 
 @jax.jit
-def _min_max(tokens: jax.Array) -> jax.Array:
-  return jnp.stack([jnp.min(tokens), jnp.max(tokens)])
+def _summary(tokens: jax.Array, mask: jax.Array) -> jax.Array:
+  mask = jnp.asarray(mask)
+  non_binary = jnp.sum((mask != 0) & (mask != 1))
+  return jnp.stack([jnp.min(tokens), jnp.max(tokens), non_binary]).astype(jnp.int32)

@@ -123,7 +123,7 @@ class TrainStep:
       "the step's TrainState (same model config and optimizer?)",
     )
     _batch.check_batch(batch, self.config, _mesh.batch_axis_size(self.mesh))
-    _batch.check_token_ids(batch["tokens"], self.vocab_size, "batch['tokens']")
+    _batch.check_values(batch, self.vocab_size)
     return _placement.place_batch(batch, self.mesh)
 
   def lower(self, state: _state.TrainState, batch: Mapping[str, Any]):

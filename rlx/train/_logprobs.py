@@ -46,7 +46,7 @@ class ComputeLogprobs:
       params = params.params
     policy.check_params(params, self.model_config)
     check_inputs(batch, self.micro_batches * _mesh.batch_axis_size(self.mesh))
-    _batch.check_token_ids(batch["tokens"], int(self.model_config.vocab_size), "batch['tokens']")
+    _batch.check_values(batch, int(self.model_config.vocab_size))
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
     return self.jitted(params, _placement.place_batch(inputs, self.mesh))
 

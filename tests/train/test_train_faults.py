@@ -32,6 +32,22 @@ def test_token_ids_out_of_range_are_rejected_before_dispatch(bad_id, on_device):
   assert int(state.step) == 0
 
 
+@pytest.mark.parametrize("bad_value", [0.5, 2.0, -1.0])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_loss_mask_that_is_not_0_1_is_rejected(bad_value, on_device):
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  batch = {k: np.array(v) for k, v in _good_batch(m, state, logprobs).items()}
+  batch["loss_mask"][2, int(np.argmax(batch["loss_mask"][2]))] = bad_value
+  if on_device:
+    batch = train.shard_batch(batch, m)
+  match = r"`batch\['loss_mask'\]` must be bool or 0/1, got 1 other value"
+  with pytest.raises(ValueError, match=match):
+    step_fn(state, batch)
+  with pytest.raises(ValueError, match=match):
+    logprobs(state, batch)
+
+
 @pytest.mark.parametrize("shape", [(0, tl.SEQ), (tl.BATCH, 0)])
 def test_zero_size_batches_name_the_argument(shape):
   m, cfg, step_fn, logprobs = tl.fns("single")
