@@ -18,6 +18,7 @@ marks committed) only once complete, so a run killed mid-save leaves no step
 that the manager lists.
 """
 
+import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -120,6 +121,8 @@ class Checkpointer:
       raise ValueError(f"`save_interval_steps` must be an int >= 1, got {save_interval_steps!r}.")
     path = epath.Path(directory)
     self.directory = path if path.is_absolute() else path.absolute()
+    if self.directory.exists() and not self.directory.is_dir():
+      raise ValueError(f"`directory` {self.directory} exists and is not a directory.")
     self._max_to_keep = max_to_keep
     self._save_interval_steps = save_interval_steps
     self._good: set[int] = set()  # steps saved or restored by this Checkpointer
@@ -190,6 +193,21 @@ class Checkpointer:
         f"Checkpoint step {step} is older than the newest kept step {max(existing)} in "
         f"{self.directory}; steps must increase."
       )
+    try:
+      json.dumps(data_cursor)
+    except (TypeError, ValueError) as e:
+      raise ValueError(
+        f"`data_cursor` must be JSON-serialisable (ints, strings, lists, dicts), got "
+        f"{type(data_cursor).__name__}: {e}"
+      ) from None
+    if extra is not None:
+      for path, leaf in jax.tree_util.tree_leaves_with_path(extra):
+        dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
+        if np.dtype(dtype).kind not in "biufc":
+          raise ValueError(
+            f"`extra{jax.tree_util.keystr(path)}` must be a numeric array or number, got "
+            f"{type(leaf).__name__}."
+          )
     items = {
       "state": ocp.args.StandardSave(state),
       # `has_extra` lets restore tell a missing extra item (damage) from none saved.

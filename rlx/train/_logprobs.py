@@ -45,6 +45,7 @@ class ComputeLogprobs:
     if isinstance(params, _state.TrainState):
       params = params.params
     policy.check_params(params, self.model_config)
+    _state.check_not_deleted(params, "params")
     check_inputs(batch, self.micro_batches * _mesh.batch_axis_size(self.mesh))
     _batch.check_values(batch, int(self.model_config.vocab_size))
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}

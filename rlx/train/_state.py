@@ -188,6 +188,7 @@ def check_like(tree: Any, abstract: Any, name: str, what: str) -> None:
     what: what `abstract` is, for the structure message.
   """
   _mesh.check_same_structure(tree, abstract, name, what)
+  check_not_deleted(tree, name)
   for (path, leaf), want in zip(
     jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(abstract), strict=True
   ):
@@ -198,6 +199,16 @@ def check_like(tree: Any, abstract: Any, name: str, what: str) -> None:
       raise ValueError(
         f"`{name}{jax.tree_util.keystr(path)}` is {dtype}{list(shape)}, expected "
         f"{want.dtype}{list(want.shape)} (another model config, dtype or optimizer?)."
+      )
+
+
+def check_not_deleted(tree: Any, name: str) -> None:
+  """Raises ValueError naming the first deleted (donated) array of `tree`."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise ValueError(
+        f"`{name}{jax.tree_util.keystr(path)}` was deleted: its buffers were donated to a "
+        "train step (which donates its input state); use the state the step returned."
       )
 
 

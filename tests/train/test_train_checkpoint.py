@@ -190,11 +190,18 @@ def test_saves_that_cannot_happen_raise(tmp_path, monkeypatch):
       ckpt.save(0, state, force=True)
     with pytest.raises(ValueError, match="`step` must be an int >= 0"):
       ckpt.save(-4, state)
+    with pytest.raises(ValueError, match="`data_cursor` must be JSON-serialisable"):
+      ckpt.save(4, state, data_cursor={"rng": np.random.default_rng(0)})
+    with pytest.raises(ValueError, match=r"`extra\['name'\]` must be a numeric array"):
+      ckpt.save(4, state, extra={"name": "run-1", "n": np.arange(2)})
     monkeypatch.setattr(type(ckpt._manager), "save", lambda *a, **k: False)
     with pytest.raises(train.CheckpointError, match="orbax declined to save checkpoint step 4"):
       ckpt.save(4, state)
     monkeypatch.undo()
     assert ckpt.all_steps() == [2]
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ValueError, match="exists and is not a directory"):
+    train.Checkpointer(tmp_path / "a_file")
 
 
 def test_restore_onto_another_config_names_the_leaves(tmp_path):

@@ -118,3 +118,15 @@ def test_params_or_state_of_another_model_config_are_rejected():
   # An optimizer state of another optimizer, likewise.
   with pytest.raises(ValueError, match="`state` has tree structure"):
     step_fn(state.replace(opt_state=state.opt_state[1]), batch)
+
+
+def test_a_donated_state_is_named_not_a_raw_deleted_buffer_error():
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  batch = _good_batch(m, state, logprobs)
+  new_state, _ = step_fn(state, batch)
+  with pytest.raises(ValueError, match=r"`state.step` was deleted: .*donated"):
+    step_fn(state, batch)
+  with pytest.raises(ValueError, match=r"`params\['embed'\]\['embedding'\]` was deleted"):
+    logprobs(state, batch)
+  step_fn(new_state, dict(batch, old_logp=logprobs(new_state, batch)))
