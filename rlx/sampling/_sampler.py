@@ -44,7 +44,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +54,7 @@ from jax.sharding import Mesh
 
 from rlx import policy
 from rlx.sampling._config import SamplerConfig
+from rlx.sampling._fp8 import quantize_params
 from rlx.sampling._engine import (
   Knobs,
   PageState,
@@ -73,10 +74,13 @@ class Completions(NamedTuple):
     logprobs: f32[N, max_new_tokens], `log softmax(logits / T)[token]` over the
       full vocabulary (greedy: T = 1); 0 on padding.
     lengths: i32[N], generated tokens per row.
-    finish_reason: per row "stop" (emitted a stop token) or "length".
+    finish_reason: per row "stop" (emitted a stop token), "length", or
+      "unfinished" (`generate_requests` stopped before the row ended).
     prompt_index: i32[N], the prompt each row answers.
-    stats: tokens_per_s, generated_tokens, decode_steps, preemptions,
-      peak_pages_used, num_pages, prefill_tokens, prefill_calls, syncs, wall_s.
+    stats: tokens_per_s, generated_tokens (new tokens), decode_steps,
+      slot_utilisation (new tokens / (decode steps * max_slots)), stopped_early,
+      preemptions, peak_pages_used, num_pages, prefill_tokens, prefill_calls,
+      syncs, wall_s.
   """
 
   tokens: np.ndarray
@@ -212,7 +216,9 @@ class Sampler:
   # Validation.
 
   def _check_params(self, params):
-    policy.check_params(params, self.model_config)
+    """Validates `params` (dense or FP8 linears); returns the params to run (`quantize_params`)."""
+    policy.check_params(params, self.model_config, allow_fp8=True)
+    return quantize_params(params, self.config)
 
   def _kv_scales(self, kv_scales):
     """(k_scale, v_scale) as f32[L, Hkv] arrays."""
@@ -312,19 +318,136 @@ class Sampler:
     Returns:
       `Completions`, N = len(prompts) * num_samples rows, prompt-major.
     """
-    cfg, eng = self.config, self._engine
     prompts = self._check_prompts(prompts)
     num_samples = self._check_num_samples(num_samples)
     rng = self._check_rng(rng)
-    self._check_params(params)
+    params = self._check_params(params)
     k_scale, v_scale = self._kv_scales(kv_scales)
     t0 = time.perf_counter()
-    S, M, P, page = cfg.max_slots, cfg.max_new_tokens, cfg.num_pages, cfg.page_size
-
     requests = [
       _Request(i * num_samples + j, i, j, p) for i, p in enumerate(prompts)
       for j in range(num_samples)
     ]  # fmt: skip
+    return self._schedule(params, requests, rng, k_scale, v_scale, t0, stop_when=None)
+
+  def generate_requests(
+    self,
+    params: policy.Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    prompt_index: Sequence[int],
+    sample_index: Sequence[int],
+    rng: jax.Array,
+    prefix_tokens: Sequence[Sequence[int]] | None = None,
+    prefix_logprobs: Sequence[Sequence[float]] | None = None,
+    stop_when: Callable[[np.ndarray], bool] | None = None,
+    kv_scales: tuple[Any, Any] | None = None,
+  ) -> Completions:
+    """Generates (or resumes) one sample per row, optionally stopping early.
+
+    The building block of partial rollouts (APRIL, Zhou et al. 2025,
+    https://arxiv.org/abs/2509.18521; slime's `partial_rollout`): a row may
+    start with a response prefix from an earlier call (its tokens and
+    recorded log-probs are kept as they are; the KV of prompt + prefix is
+    recomputed by prefill on admission, as after a preemption), and the host
+    loop ends at the first scheduling point where `stop_when` says so, handing
+    back every unfinished row with what it generated so far.
+
+    Rows are queued FIFO in the given order. Rows without a prefix that share
+    a `prompt_index` share the prompt's KV pages (they must have equal
+    prompts). Row r's t-th response token (t counts the prefix) is drawn with
+    `fold_in(fold_in(fold_in(rng, prompt_index[r]), sample_index[r]), t)`, so
+    `generate(params, P, num_samples=G, rng=k)` equals this call with
+    prompt-major rows `prompt_index = i`, `sample_index = j`, and a row
+    stopped and resumed with the same params and key equals the uninterrupted
+    row (up to float rounding of the recomputed K/V).
+
+    Args:
+      params: the policy params (as in `generate`).
+      prompts: N token-id lists, one per row (ragged, 1..max_prompt_len long).
+      prompt_index: N ints in [0, 2**31): the row's prompt/group id (rng, sharing).
+      sample_index: N ints in [0, 2**31); (prompt_index, sample_index) pairs unique.
+      rng: a `jax.random` key.
+      prefix_tokens: optional N lists of response tokens already generated,
+        each shorter than max_new_tokens (empty: a fresh row).
+      prefix_logprobs: N float lists matching `prefix_tokens` (required with it).
+      stop_when: optional `f(done bool[N]) -> bool`, called at every
+        scheduling point with the rows finished so far (including those
+        finished in earlier windows); True ends the call.
+      kv_scales: as in `generate`.
+
+    Returns:
+      `Completions` with N rows in the given order: tokens / logprobs hold
+      prefix + new tokens, `finish_reason` is "stop", "length" or
+      "unfinished" (stopped early), `prompt_index` is the given ids;
+      `stats["generated_tokens"]` counts new tokens only.
+    """
+    prompts = self._check_prompts(prompts)
+    n = len(prompts)
+    rng = self._check_rng(rng)
+    params = self._check_params(params)
+    k_scale, v_scale = self._kv_scales(kv_scales)
+    ids = {}
+    for name, x in (("prompt_index", prompt_index), ("sample_index", sample_index)):
+      arr = np.asarray(x)
+      if arr.shape != (n,) or (n and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"`{name}` must be {n} ints (one per prompt), got shape {arr.shape}.")
+      if n and (arr.min() < 0 or arr.max() >= 2**31):
+        raise ValueError(
+          f"`{name}` must be in [0, 2**31), got values in [{arr.min()}, {arr.max()}]."
+        )
+      ids[name] = arr.astype(np.int64)
+    pairs = set(zip(ids["prompt_index"].tolist(), ids["sample_index"].tolist(), strict=True))
+    if len(pairs) != n:
+      raise ValueError(
+        "(`prompt_index`, `sample_index`) pairs must be unique (one row per sample)."
+      )
+    first: dict[int, np.ndarray] = {}
+    for i, p in zip(ids["prompt_index"].tolist(), prompts, strict=True):
+      if not np.array_equal(first.setdefault(i, p), p):
+        raise ValueError(f"rows with `prompt_index` {i} have different prompts.")
+    if (prefix_tokens is None) != (prefix_logprobs is None):
+      raise ValueError("`prefix_tokens` and `prefix_logprobs` must be given together.")
+    if prefix_tokens is None:
+      prefix_tokens = prefix_logprobs = [[] for _ in range(n)]
+    if len(prefix_tokens) != n or len(prefix_logprobs) != n:
+      raise ValueError(
+        f"`prefix_tokens` / `prefix_logprobs` must have one entry per prompt ({n}), got "
+        f"{len(prefix_tokens)} / {len(prefix_logprobs)}."
+      )
+    M, vocab = self.config.max_new_tokens, self.model_config.vocab_size
+    requests = []
+    for r in range(n):
+      toks = np.asarray(prefix_tokens[r], np.int64).reshape(-1)
+      lps = np.asarray(prefix_logprobs[r], np.float64).reshape(-1)
+      if toks.size != lps.size:
+        raise ValueError(
+          f"`prefix_logprobs[{r}]` has {lps.size} values for {toks.size} prefix tokens."
+        )
+      if toks.size >= M:
+        raise ValueError(
+          f"`prefix_tokens[{r}]` has {toks.size} tokens >= max_new_tokens={M} (a finished row)."
+        )
+      if toks.size and (toks.min() < 0 or toks.max() >= vocab):
+        raise ValueError(f"`prefix_tokens[{r}]` has ids outside [0, vocab_size={vocab}).")
+      if not np.isfinite(lps).all() or (lps > 0).any():
+        raise ValueError(f"`prefix_logprobs[{r}]` must be finite log-probs <= 0.")
+      req = _Request(
+        r, int(ids["prompt_index"][r]), int(ids["sample_index"][r]), prompts[r],
+        tokens=toks.astype(np.int32).tolist(), logprobs=lps.astype(np.float32).tolist(),
+      )  # fmt: skip
+      req.started = bool(toks.size)  # a prefix's KV is recomputed by prefill (no sharing)
+      requests.append(req)
+    if stop_when is not None and not callable(stop_when):
+      raise ValueError(f"`stop_when` must be callable or None, got {type(stop_when).__name__}.")
+    t0 = time.perf_counter()
+    return self._schedule(params, requests, rng, k_scale, v_scale, t0, stop_when=stop_when)
+
+  def _schedule(self, params, requests, rng, k_scale, v_scale, t0, *, stop_when):
+    """The host scheduling loop of `generate` / `generate_requests` over `requests`."""
+    cfg, eng = self.config, self._engine
+    S, M, P, page = cfg.max_slots, cfg.max_new_tokens, cfg.num_pages, cfg.page_size
+    prefix_tokens = sum(len(r.tokens) for r in requests)
     queue = collections.deque(requests)
     holders: dict[int, _Holder] = {}
     slot_req: list[_Request | None] = [None] * S
@@ -489,6 +612,8 @@ class Sampler:
       exit_after = S + 1
       if cfg.continuous_batching and queue:
         exit_after = min(len(queue), max(1, S // 8))
+      elif stop_when is not None:
+        exit_after = max(1, S // 8)  # let the host check the stop condition soon after finishes
       dev_pages, dev_slots = put(pages.state(), page_sh), put(slots, slot_sh)
       pool, dev_pages, dev_slots, info = eng.decode(
         params, pool, dev_pages, dev_slots, rng, k_scale, v_scale,
@@ -520,6 +645,18 @@ class Sampler:
         queue.appendleft(req)
         stats["preemptions"] += 1
         blocked = [b for b in blocked if b != s]
+      if stop_when is not None and stop_when(
+        np.asarray([r.finish_reason is not None for r in requests], bool)
+      ):
+        for s in range(S):  # abort: every running request keeps what it generated
+          req = slot_req[s]
+          if req is not None:
+            g = int(slots.num_generated[s])
+            req.tokens = slots.tokens[s, :g].tolist()
+            req.logprobs = slots.logprobs[s, :g].tolist()
+            release_slot(s)
+        stats["stopped_early"] = 1
+        break
     drop_holders()
     self._pool = pool
 
@@ -533,11 +670,14 @@ class Sampler:
       tokens[r.row, :g] = r.tokens
       logprobs[r.row, :g] = r.logprobs
       lengths[r.row] = g
-    generated = int(lengths.sum())
+    generated = int(lengths.sum()) - prefix_tokens
+    steps = int(stats["decode_steps"])
     out_stats = {
       "tokens_per_s": generated / wall if wall > 0 else float("inf"),
       "generated_tokens": generated,
-      "decode_steps": int(stats["decode_steps"]),
+      "decode_steps": steps,
+      "slot_utilisation": generated / (steps * S) if steps else 0.0,
+      "stopped_early": bool(stats["stopped_early"]),
       "preemptions": int(stats["preemptions"]),
       "peak_pages_used": int(peak),
       "num_pages": P,
@@ -551,7 +691,7 @@ class Sampler:
       tokens=tokens,
       logprobs=logprobs,
       lengths=lengths,
-      finish_reason=tuple(r.finish_reason for r in requests),
+      finish_reason=tuple(r.finish_reason or "unfinished" for r in requests),
       prompt_index=np.asarray([r.prompt_index for r in requests], np.int32),
       stats=out_stats,
     )
@@ -631,7 +771,7 @@ class Sampler:
       raise ValueError(f"N={n} rows must be a multiple of num_samples={num_samples}.")
     if not isinstance(rng, jax.core.Tracer):
       self._check_rng(rng)
-    self._check_params(params)
+    params = self._check_params(params)
     if not isinstance(prompt_tokens, jax.core.Tracer):
       policy.check_tokens(prompt_tokens, self.model_config.vocab_size, "prompt_tokens")
     k_scale, v_scale = self._kv_scales(kv_scales)
