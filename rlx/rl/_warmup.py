@@ -9,6 +9,8 @@ kept deliberately short so that RL has most of the task left to learn.
 """
 
 import dataclasses
+import functools
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,8 +66,17 @@ def sft_batch(examples: Sequence[Any], width: int) -> dict[str, np.ndarray]:
 
 
 def make_sft_step(model_config: Any, train_cfg: ml_collections.ConfigDict) -> Callable:
-  """`step(state, batch) -> (state, loss)`: one AdamW step on token-mean cross-entropy."""
-  optimizer = train.make_optimizer(train_cfg)
+  """`step(state, batch) -> (state, loss)`: one AdamW step on token-mean cross-entropy.
+
+  Cached per (model config, train config), so repeated warm-ups in one
+  process compile once.
+  """
+  return _sft_step(model_config, train_cfg.to_json())
+
+
+@functools.lru_cache(maxsize=8)
+def _sft_step(model_config: Any, train_cfg_json: str) -> Callable:
+  optimizer = train.make_optimizer(ml_collections.ConfigDict(json.loads(train_cfg_json)))
 
   def step(state: train.TrainState, batch: dict):
     def loss_fn(params):

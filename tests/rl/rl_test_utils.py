@@ -55,58 +55,78 @@ def params_allclose(a, b, atol=0.0):
   )
 
 
-class FirstTokenTask:
-  """Builds an arithmetic task whose reward is 1 when the first response token is right.
+def _make_task(name, jax_ok, host_ok, **kwargs):
+  """An ArithmeticTask whose reward is 1 where `jax_ok` / `host_ok` hold (they agree)."""
+  import jax.numpy as jnp  # noqa: PLC0415
 
-  A random policy earns it now and then, so advantages are non-zero without a
-  warm-up (cheap loop tests); `jax_reward` equals the host reward exactly.
-  """
-
-  name = "arithmetic_first_token"
-
-  @staticmethod
-  def make(**kwargs):
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from rlx import tasks  # noqa: PLC0415
-
-    class _Task(tasks.ArithmeticTask):
-      def __init__(self, **kw):
-        super().__init__(name=FirstTokenTask.name, **kw)
-
-        def jax_reward(answer_ids, answer_lengths, completion, completion_lengths):
-          del answer_lengths
-          ok = (completion[:, 0] == answer_ids[:, 0]) & (completion_lengths > 0)
-          return jnp.where(ok, 1.0, 0.0).astype(jnp.float32)
-
-        self.jax_reward = jax_reward
-
-      def score(self, examples, completions):
-        return np.asarray(
-          [
-            float(bool(c) and c[0] == self.answer_tokens(e)[0])
-            for e, c in zip(examples, completions, strict=True)
-          ],
-          np.float32,
-        )
-
-    return _Task(**kwargs)
-
-
-def register_first_token_task():
   from rlx import tasks  # noqa: PLC0415
 
-  tasks.register_task(FirstTokenTask.name, FirstTokenTask.make, overwrite=True)
-  return FirstTokenTask.name
+  class _Task(tasks.ArithmeticTask):
+    def __init__(self, **kw):
+      super().__init__(name=name, **kw)
+
+      def jax_reward(answer_ids, answer_lengths, completion, completion_lengths):
+        del answer_lengths
+        ok = jax_ok(answer_ids, completion) & (completion_lengths > 0)
+        return jnp.where(ok, 1.0, 0.0).astype(jnp.float32)
+
+      self.jax_reward = jax_reward
+
+    def score(self, examples, completions):
+      return np.asarray(
+        [
+          float(bool(c) and host_ok(self.answer_tokens(e), c))
+          for e, c in zip(examples, completions, strict=True)
+        ],
+        np.float32,
+      )
+
+  return _Task(**kwargs)
+
+
+FIRST_TOKEN = "test_first_token"  # reward: the first response token is the answer's first
+DIGIT_FIRST = "test_digit_first"  # reward: the first response token is a digit (easy)
+
+
+def register_test_tasks():
+  """Registers two cheap test tasks: non-zero reward without any warm-up."""
+  from rlx import tasks  # noqa: PLC0415
+
+  digits = tasks.ArithmeticTask(train_size=1, dev_size=0, test_size=0).tokenizer.encode(
+    "0123456789"
+  )
+  lo, hi = min(digits), max(digits)
+  tasks.register_task(
+    FIRST_TOKEN,
+    lambda **kw: _make_task(
+      FIRST_TOKEN, lambda a, c: c[:, 0] == a[:, 0], lambda a, c: c[0] == a[0], **kw
+    ),
+    overwrite=True,
+  )
+  tasks.register_task(
+    DIGIT_FIRST,
+    lambda **kw: _make_task(
+      DIGIT_FIRST,
+      lambda a, c: (c[:, 0] >= lo) & (c[:, 0] <= hi),
+      lambda a, c: lo <= c[0] <= hi,
+      **kw,
+    ),
+    overwrite=True,
+  )
 
 
 def run_config(**overrides):
-  """The end-to-end test run: tiny_config with 20 RL iterations, checkpoints every 4."""
+  """The end-to-end test run: the easy digit-first reward, no warm-up, 12 iterations of 16 x 4."""
   base = {
-    "rl.iterations": 20,
-    "checkpoint.every": 4,
-    "eval.every": 10,
-    "train.optimizer.learning_rate": 1e-3,
+    "task.name": DIGIT_FIRST,
+    "warmup.enabled": False,
+    "rl.iterations": 12,
+    "checkpoint.every": 3,
+    "eval.every": 6,
+    "eval.dev_examples": 32,
+    "eval.test_examples": 32,
+    "train.optimizer.learning_rate": 3e-3,
+    "rl.prompts_per_iteration": 16,
   }
   base.update(overrides)
   return tiny_config(**base)

@@ -1,5 +1,6 @@
 """rlx.rl: config validation, advantages by baseline, batch layout, prompt cursor (no model)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,10 +46,10 @@ def test_default_and_experiment_configs_validate():
 def test_group_advantages_match_objectives(baseline):
   k = 5 if baseline == "median" else 4
   rewards = jnp.asarray(np.random.default_rng(0).integers(0, 2, 3 * k), jnp.float32)
-  adv, keep = rl.group_advantages(rewards, k, baseline)
+  adv, keep = jax.jit(rl.group_advantages, static_argnums=(1, 2))(rewards, k, baseline)
   grouped = rewards.reshape(3, k)
   if baseline == "median":
-    want, want_keep = objectives.median_advantages(grouped)
+    want, want_keep = jax.jit(objectives.median_advantages)(grouped)
     np.testing.assert_array_equal(np.asarray(keep).reshape(3, k).sum(1), [k - 1] * 3)
   else:
     fn = {
@@ -56,7 +57,7 @@ def test_group_advantages_match_objectives(baseline):
       "drgrpo": objectives.drgrpo_advantages,
       "rloo": objectives.rloo_advantages,
     }[baseline]
-    want, want_keep = fn(grouped), jnp.ones_like(grouped)
+    want, want_keep = jax.jit(fn)(grouped), jnp.ones_like(grouped)
   np.testing.assert_allclose(np.asarray(adv), np.asarray(want).reshape(-1), rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(keep), np.asarray(want_keep).reshape(-1))
 
@@ -76,7 +77,7 @@ def test_build_rollout_batch_layout():
   resp = np.asarray([[1, 2, 0, 0], [3, 4, 2, 0]], np.int32)
   logp = np.asarray([[-0.1, -0.2, 0, 0], [-0.3, -0.4, -0.5, 0]], np.float32)
   rlen = np.asarray([2, 3], np.int32)
-  b = rl.build_rollout_batch(
+  b = jax.jit(rl.build_rollout_batch)(
     prompts, plen, resp, logp, rlen, np.asarray([False, True]), np.asarray([0, 0]), 7
   )
   np.testing.assert_array_equal(b.tokens, [[5, 6, 7, 1, 2, 0, 0], [8, 9, 3, 4, 2, 0, 0]])
@@ -86,9 +87,11 @@ def test_build_rollout_batch_layout():
   np.testing.assert_array_equal(b.policy_version[0], [-1, -1, -1, 7, 7, -1, -1])
   assert b.finish_reasons == ["length", "stop"]
   assert b.responses() == [[1, 2], [3, 4, 2]]
-  completion, lengths = rl.response_arrays(b)
+  completion, lengths = jax.jit(rl.response_arrays)(b)
   np.testing.assert_array_equal(completion[1, :4], [3, 4, 2, 0])
-  tb = rl.train_batch(b.with_rewards([1.0, 0.0]), jnp.asarray([0.5, -0.5]), jnp.asarray([1.0, 0.0]))
+  tb = jax.jit(rl.train_batch)(
+    b.with_rewards([1.0, 0.0]), jnp.asarray([0.5, -0.5]), jnp.asarray([1.0, 0.0])
+  )
   np.testing.assert_array_equal(tb["loss_mask"][1], np.zeros(7))
   np.testing.assert_array_equal(tb["loss_mask"][0], b.response_mask[0])
   with pytest.raises(ValueError, match="rewards"):

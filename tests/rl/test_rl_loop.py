@@ -10,7 +10,8 @@ import rl_test_utils
 from rlx import objectives, rl, tasks, train
 from rlx.rl import _rollout
 
-TASK = rl_test_utils.register_first_token_task()
+rl_test_utils.register_test_tasks()
+TASK = rl_test_utils.FIRST_TOKEN
 
 
 @functools.cache

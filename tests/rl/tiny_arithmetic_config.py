@@ -9,4 +9,5 @@ import rl_test_utils  # noqa: E402
 
 
 def get_config():
+  rl_test_utils.register_test_tasks()
   return rl_test_utils.run_config()
