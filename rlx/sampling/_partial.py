@@ -275,7 +275,8 @@ class RolloutEngine:
       off_policy_token_fraction (returned response tokens of an older
       version), staleness_histogram ({staleness: tokens}), max_staleness,
       mean_staleness, generated_tokens, tokens_per_s, slot_utilisation
-      (generated tokens / (decode steps * slots)), decode_steps, wall_s.
+      (generated tokens / (decode steps * slots)), decode_steps, syncs,
+      prefill_tokens (prompt and recycled prefixes recomputed), preemptions, wall_s.
     """
     if not isinstance(policy_version, int | np.integer) or isinstance(policy_version, bool):
       raise ValueError(f"`policy_version` must be an int, got {policy_version!r}.")
@@ -295,7 +296,8 @@ class RolloutEngine:
     complete0 = sum(g.complete for g in groups)
     rows = [(gi, j) for gi, grp in enumerate(groups) for j in range(self.num_samples)
             if grp.finish[j] == _RUNNING]  # fmt: skip
-    stats: dict[str, Any] = {"decode_steps": 0, "generated_tokens": 0, "syncs": 0}
+    passed = ("decode_steps", "generated_tokens", "syncs", "prefill_tokens", "preemptions")
+    stats: dict[str, Any] = dict.fromkeys(passed, 0)
     if rows and complete0 < self.target_groups:
       row_group = np.asarray([gi for gi, _ in rows], np.int64)
       need = np.bincount(row_group, minlength=len(groups))
@@ -314,7 +316,8 @@ class RolloutEngine:
         prefix_tokens=[groups[gi].tokens[j] for gi, j in rows],
         prefix_logprobs=[groups[gi].logprobs[j] for gi, j in rows],
         rng=rng,
-        stop_when=stop_when,
+        # With no spare group every launched group must finish: no early stop to check.
+        stop_when=stop_when if len(groups) > self.target_groups else None,
         kv_scales=kv_scales,
       )
       for r, (gi, j) in enumerate(rows):
@@ -327,7 +330,7 @@ class RolloutEngine:
         grp.logprobs[j] = grp.logprobs[j] + out.logprobs[r, old:n].tolist()
         grp.versions[j] = grp.versions[j] + [version] * (n - old)
         grp.finish[j] = _FINISH.get(out.finish_reason[r], _RUNNING)
-      stats.update({k: out.stats[k] for k in ("decode_steps", "generated_tokens", "syncs")})
+      stats.update({k: out.stats[k] for k in passed})
     done = [g for g in groups if g.complete][: self.target_groups]
     if len(done) < self.target_groups:
       raise RuntimeError(
