@@ -28,6 +28,13 @@ stacked KV page pool, updated in place at `layer_index`);
 `f(layer_index, q, k, v, *, positions, segment_ids) -> out`.
 `kv_absmax` gives per-layer K/V abs-max from a training forward (FP8 KV scales).
 
+FP8 linears: `quantize_linears(params, dtype)` replaces every decoder linear
+kernel by an `Fp8Kernel(values, scale)` (128x128 blocks); the same decoder
+then runs those layers W8A8 (dynamic 1x128 activation scales,
+`rlx.kernels_pallas.fp8_blockwise_matmul`), chosen per leaf at one dispatch
+point. Embeddings, LM head, norms and biases stay dense. `check_params(...,
+allow_fp8=True)` accepts such trees (training does not).
+
 Per-layer parameter hook: `layer_params_fn(layer) -> layer` runs on each
 block's parameter slice inside the layer scan (rlx.train uses it to all-gather
 one FSDP-sharded layer at a time); its outputs are recomputed, not stored, for
@@ -51,12 +58,15 @@ from rlx.policy._logprobs import (
   token_logprobs,
 )
 from rlx.policy._model import (
+  LINEAR_KERNELS,
   AttentionFn,
   CacheAttentionFn,
+  Fp8Kernel,
   LayerParamsFn,
   Params,
   apply_rope,
   check_params,
+  check_tokens,
   default_attention_fn,
   dense_causal_attention,
   embed,
@@ -72,6 +82,7 @@ from rlx.policy._model import (
   logits_from_hidden,
   param_shapes,
   positions_from_segments,
+  quantize_linears,
   rms_norm,
   rope_inv_freq,
 )

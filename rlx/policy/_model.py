@@ -45,6 +45,20 @@ Dh]` as `layer_qkv` returns it (`rlx.kernels_pallas.write_kv_pages` takes new
 K/V in that layout; for a decode step `[B, Hkv, Dh]` is the same array
 without the S = 1 axis, and the query `[B, H, Dh]` of `paged_attention` too).
 
+FP8 linears (W8A8). A decoder linear's `kernel` leaf is either a dense
+`[L, K, N]` array or an `Fp8Kernel(values, scale)`: FP8 values `[L, K, N]`
+with float32 scales `[L, ceil(K/128), ceil(N/128)]`, one per 128x128 block
+(`quantize_linears`; DeepSeek-V3, https://arxiv.org/abs/2412.19437, Sec. 3.3).
+`_linear` is the one dispatch point: a dense kernel runs an einsum in the
+compute dtype, an `Fp8Kernel` quantizes the activations per token and
+128-wide K group on the fly and runs `rlx.kernels_pallas.fp8_blockwise_matmul`
+(as vLLM's `W8A8BlockFp8LinearOp`). An `Fp8Kernel` is a registered pytree
+(its values and scale are ordinary leaves, so params stay a plain pytree at
+jit boundaries and the layer scan slices it like any other leaf), but it
+refuses to become an array (`jnp.asarray`, `np.asarray`, `.astype`), so
+FP8 values can never be used as a dense kernel without their scales.
+Embeddings, the LM head, norms and biases always stay dense.
+
 Per-layer parameter hook (FSDP / ZeRO-3). `forward(..., layer_params_fn=g)`
 applies `g(layer) -> layer` to each block's parameter slice INSIDE the layer
 scan, right before the block uses it. A sharded train step passes a function
@@ -61,6 +75,7 @@ weights: the values they are computed from, e.g. the sharding constraint's
 output or a dtype cast, would be saved in their place.)
 """
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -71,12 +86,154 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from rlx import kernels_pallas
 from rlx.policy._config import ModelConfig
 
 Params = dict[str, Any]
 AttentionFn = Callable[..., Array]
 CacheAttentionFn = Callable[..., tuple[Array, Any]]
 LayerParamsFn = Callable[[Params], Params]
+
+
+# ----------------------------------------------------------------------------
+# FP8 linear kernels.
+
+# The decoder linears (paths under params["layers"]) whose kernels may be FP8.
+LINEAR_KERNELS = (
+  ("attn", "q_proj"),
+  ("attn", "k_proj"),
+  ("attn", "v_proj"),
+  ("attn", "o_proj"),
+  ("mlp", "gate_proj"),
+  ("mlp", "up_proj"),
+  ("mlp", "down_proj"),
+)
+# Weight block (and activation group) of the FP8 linears, fixed by `fp8_blockwise_matmul`.
+FP8_BLOCK = 128
+FP8_FORMATS = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Kernel:
+  """An FP8 linear kernel: blockwise-quantized values with their float32 block scales.
+
+  `kernel ~= values.astype(f32) * scale` repeated over 128x128 blocks (the
+  convention of `rlx.kernels_pallas.quantize_fp8_blockwise`). Stands in for a
+  dense `kernel` leaf of a decoder linear; `_linear` runs it as W8A8 with
+  dynamic 1x128 activation scales. A registered pytree with two array leaves
+  (`values`, `scale`), so it passes jit, `lax.scan` slicing and `tree_map`
+  like any parameter, but it refuses every conversion to a plain array: the
+  FP8 values are never used without their scales. Use `dequantize()` for an
+  explicit float32 copy.
+
+  Attributes:
+    values: `[..., K, N]` float8_e4m3fn or float8_e5m2.
+    scale: float32 `[..., ceil(K/128), ceil(N/128)]`.
+  """
+
+  values: Array
+  scale: Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The shape of the dense kernel this stands for (`values.shape`)."""
+    return tuple(np.shape(self.values))
+
+  def dequantize(self) -> Array:
+    """float32 `values * scale` (block scales repeated), same shape as `values`."""
+    *lead, k, n = self.shape
+    s = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), FP8_BLOCK, -2), FP8_BLOCK, -1)
+    return self.values.astype(jnp.float32) * s[..., :k, :n]
+
+  def _refuse(self, *args, **kwargs):
+    raise TypeError(
+      "An Fp8Kernel (FP8 values + block scales) cannot be used as a dense array; "
+      "rlx.policy runs it through fp8_blockwise_matmul, or call .dequantize()."
+    )
+
+  __array__ = _refuse
+  __jax_array__ = _refuse
+  astype = _refuse
+
+
+def _is_fp8_dtype(dtype: Any) -> bool:
+  try:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+  except TypeError:
+    return False
+
+
+def _is_fp8_kernel(x: Any) -> bool:
+  return isinstance(x, Fp8Kernel)
+
+
+def _check_fp8_kernel(kernel: Fp8Kernel, want: tuple[int, ...], name: str) -> list[str]:
+  """Problems of an FP8 kernel standing for a dense kernel of shape `want`."""
+  problems = []
+  values, scale = kernel.values, kernel.scale
+  if not _is_fp8_dtype(getattr(values, "dtype", None)):
+    problems.append(f"{name} is an Fp8Kernel with values of dtype {getattr(values, 'dtype', None)}")
+  if tuple(np.shape(values)) != tuple(want):
+    problems.append(f"{name} has shape {tuple(np.shape(values))}, expected {tuple(want)}")
+  blocks = (*want[:-2], -(-want[-2] // FP8_BLOCK), -(-want[-1] // FP8_BLOCK))
+  if tuple(np.shape(scale)) != blocks or getattr(scale, "dtype", None) != jnp.float32:
+    problems.append(
+      f"{name} scale is {getattr(scale, 'dtype', None)}{tuple(np.shape(scale))}, expected "
+      f"float32{blocks} (one per {FP8_BLOCK}x{FP8_BLOCK} block)"
+    )
+  return problems
+
+
+def quantize_linears(params: Params, dtype: Any = jnp.float8_e4m3fn) -> Params:
+  """Replaces every decoder linear kernel by its blockwise FP8 `Fp8Kernel` (W8A8 rollout).
+
+  Each `layers/{attn,mlp}/*_proj/kernel` `[L, K, N]` becomes `Fp8Kernel(values
+  [L, K, N], scale f32[L, ceil(K/128), ceil(N/128)])` via
+  `rlx.kernels_pallas.quantize_fp8_blockwise` per layer (128x128 blocks, scale
+  = max(amax, 1e-10) / fmax; edge blocks of widths that are not multiples of
+  128 are scaled over their real elements). Embeddings, the LM head, norms
+  and biases are returned unchanged (the same arrays). Kernels that already are
+  `Fp8Kernel`s are kept. Reference: DeepSeek-V3
+  (https://arxiv.org/abs/2412.19437) Sec. 3.3; vLLM's blockwise FP8 linear
+  (`Fp8LinearMethod` with `weight_block_size=[128, 128]`).
+
+  Pure and jittable (the sampler re-quantizes with it after every policy update).
+
+  Args:
+    params: the parameter tree (dense decoder kernels).
+    dtype: jnp.float8_e4m3fn (default) or jnp.float8_e5m2 (also "fp8_e4m3" / "fp8_e5m2").
+
+  Returns:
+    A new parameter tree (the input is not modified).
+  """
+  if isinstance(dtype, str):
+    if dtype not in FP8_FORMATS:
+      raise ValueError(f"`dtype` must be one of {tuple(FP8_FORMATS)}, got {dtype!r}.")
+    dtype = FP8_FORMATS[dtype]
+  if not _is_fp8_dtype(dtype):
+    raise ValueError(f"`dtype` must be float8_e4m3fn or float8_e5m2, got {dtype!r}.")
+  if not isinstance(params, dict) or not isinstance(params.get("layers"), dict):
+    raise ValueError("`params` must be the policy parameter dict (with a 'layers' entry).")
+  quantize = jax.vmap(
+    functools.partial(
+      kernels_pallas.quantize_fp8_blockwise, block=(FP8_BLOCK, FP8_BLOCK), dtype=dtype
+    )
+  )
+  layers = dict(params["layers"])
+  for group, name in LINEAR_KERNELS:
+    if name not in layers.get(group, {}):
+      raise ValueError(f"`params` has no layers/{group}/{name} (not a policy parameter tree).")
+    linear = dict(layers[group][name])
+    kernel = linear["kernel"]
+    if not _is_fp8_kernel(kernel):
+      if np.ndim(kernel) != 3:
+        raise ValueError(
+          f"`params` layers/{group}/{name}/kernel must be [L, K, N], got {np.shape(kernel)}."
+        )
+      linear["kernel"] = Fp8Kernel(*quantize(jnp.asarray(kernel)))
+    layers[group] = {**layers[group], name: linear}
+  return {**params, "layers": layers}
 
 
 # ----------------------------------------------------------------------------
@@ -173,8 +330,16 @@ def _init_params(config: ModelConfig, rng: Array) -> Params:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def check_params(params: Params, config: ModelConfig, name: str = "params") -> None:
-  """Raises ValueError naming every missing, unexpected or mis-shaped parameter."""
+def check_params(
+  params: Params, config: ModelConfig, name: str = "params", *, allow_fp8: bool = False
+) -> None:
+  """Raises ValueError naming every missing, unexpected or mis-shaped parameter.
+
+  With `allow_fp8`, the decoder linear kernels (`LINEAR_KERNELS`) may be
+  `Fp8Kernel`s (values of the dense shape, FP8 dtype; float32 block scales);
+  anywhere else, or without `allow_fp8` (e.g. for training), an `Fp8Kernel`
+  is an error.
+  """
   want = {
     "/".join(p.key for p in path): shape
     for path, shape in jax.tree_util.tree_flatten_with_path(
@@ -182,11 +347,22 @@ def check_params(params: Params, config: ModelConfig, name: str = "params") -> N
     )[0]
   }
   try:
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_fp8_kernel)[0]
   except Exception as e:  # pragma: no cover - exotic containers
     raise ValueError(f"`{name}` must be a nested dict of arrays.") from e
-  have = {"/".join(str(getattr(p, "key", p)) for p in path): np.shape(x) for path, x in flat}
-  problems = [f"missing {k} {want[k]}" for k in sorted(set(want) - set(have))]
+  have, problems = {}, []
+  fp8_ok = {f"layers/{g}/{n}/kernel" for g, n in LINEAR_KERNELS} if allow_fp8 else set()
+  for path, x in flat:
+    key = "/".join(str(getattr(p, "key", p)) for p in path)
+    if _is_fp8_kernel(x):
+      if key not in fp8_ok:
+        problems.append(f"{key} is an Fp8Kernel but must be a dense array")
+      elif key in want:
+        problems += _check_fp8_kernel(x, want[key], key)
+      have[key] = want.get(key, x.shape)
+    else:
+      have[key] = np.shape(x)
+  problems += [f"missing {k} {want[k]}" for k in sorted(set(want) - set(have))]
   problems += [f"unexpected {k} {have[k]}" for k in sorted(set(have) - set(want))]
   problems += [
     f"{k} has shape {have[k]}, expected {want[k]}"
@@ -194,7 +370,10 @@ def check_params(params: Params, config: ModelConfig, name: str = "params") -> N
     if tuple(have[k]) != tuple(want[k])
   ]
   if problems:
-    raise ValueError(f"`{name}` does not match the config: " + "; ".join(problems) + ".")
+    where = "" if allow_fp8 else " (FP8 kernels are for the sampler and forward, not training)"
+    if not any("Fp8Kernel" in p for p in problems):
+      where = ""
+    raise ValueError(f"`{name}` does not match the config: " + "; ".join(problems) + f".{where}")
 
 
 def get_layer(params: Params, layer_index: int | Int[Array, ""]) -> Params:
@@ -266,8 +445,32 @@ def apply_rope(
   return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
+def _fp8_linear(kernel: Fp8Kernel, x: Array, dtype: Any) -> Array:
+  """W8A8: `x` quantized per token and 128-wide K group, times the FP8 block kernel."""
+  values, scale = kernel.values, kernel.scale
+  if np.ndim(values) != 2 or not _is_fp8_dtype(values.dtype):
+    raise ValueError(
+      f"An Fp8Kernel in a layer must hold FP8 values [K, N], got {values.dtype}{values.shape} "
+      "(was it cast by a parameter hook?)."
+    )
+  k, n = values.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"Linear input has width {x.shape[-1]}, the FP8 kernel expects K={k}.")
+  lead = x.shape[:-1]
+  x_q, x_scale = kernels_pallas.quantize_fp8_per_token_group(
+    x.reshape(-1, k), FP8_BLOCK, dtype=values.dtype
+  )
+  y = kernels_pallas.fp8_blockwise_matmul(x_q, x_scale, values, scale, out_dtype=dtype)
+  return y.reshape(*lead, n)
+
+
 def _linear(p: Params, x: Array, dtype: Any) -> Array:
-  y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(dtype))
+  """The one dispatch point of the decoder linears: dense einsum or FP8 W8A8 (module doc)."""
+  kernel = p["kernel"]
+  if _is_fp8_kernel(kernel):
+    y = _fp8_linear(kernel, x, dtype)
+  else:
+    y = jnp.einsum("...i,io->...o", x, kernel.astype(dtype))
   if "bias" in p:
     y = y + p["bias"].astype(dtype)
   return y
@@ -548,7 +751,10 @@ def _layer_params_hook(layer_params_fn: LayerParamsFn, config: ModelConfig) -> L
           f"`layer_params_fn` changed the shape of layers/{name} from {np.shape(a)} to "
           f"{np.shape(b)}."
         )
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype), out)
+    # FP8 kernels pass unchanged (casting their values would drop the FP8 format).
+    return jax.tree.map(
+      lambda x: x if _is_fp8_kernel(x) else jnp.asarray(x, dtype), out, is_leaf=_is_fp8_kernel
+    )
 
   return hook
 
@@ -623,7 +829,7 @@ def layer_scan(
 
 def _prepare(params, config, tokens, positions, segment_ids):
   """Validates the decoder inputs; returns int32 (tokens, positions, segment_ids)."""
-  check_params(params, config)
+  check_params(params, config, allow_fp8=True)
   check_tokens(tokens, config.vocab_size)
   _check_aux(positions, tokens, "positions")
   _check_aux(segment_ids, tokens, "segment_ids")

@@ -10,6 +10,13 @@
   tokens, logprobs, lengths, stopped = sampler.generate_fn(             # pure, jittable
       params, prompt_tokens, prompt_lengths, key, num_samples=1)
 
+FP8 rollout (W8A8 linears + FP8 KV), refreshed after every policy update:
+
+  cfg = SamplerConfig(..., weight_dtype="fp8_e4m3", kv_dtype="fp8_e4m3")
+  rollout_params = quantize_params(train_params, cfg)            # jitted, on device
+  kv_scales = calibrate_kv_scales(train_params, model_config, tokens, mask)  # amax / headroom
+  out = sampler.generate(rollout_params, prompts, rng=key, kv_scales=kv_scales)
+
 Rows are prompt-major: row i * num_samples + j is sample j of prompt i. The
 decode step is the policy's own layer scan (`rlx.policy.layer_scan`) with the
 stacked page pool in its carry and `rlx.kernels_pallas.paged_attention` /
@@ -18,7 +25,13 @@ side) and `rlx.sampling._sampler` (scheduling, prefix sharing, preemption).
 """
 
 from rlx.sampling._config import KV_DTYPES as KV_DTYPES
+from rlx.sampling._config import WEIGHT_DTYPES as WEIGHT_DTYPES
 from rlx.sampling._config import SamplerConfig as SamplerConfig
+from rlx.sampling._fp8 import K_HEADROOM as K_HEADROOM
+from rlx.sampling._fp8 import V_HEADROOM as V_HEADROOM
+from rlx.sampling._fp8 import calibrate_kv_scales as calibrate_kv_scales
+from rlx.sampling._fp8 import kv_scales_from_absmax as kv_scales_from_absmax
+from rlx.sampling._fp8 import quantize_params as quantize_params
 from rlx.sampling._sample import sample_keys as sample_keys
 from rlx.sampling._sample import sample_tokens as sample_tokens
 from rlx.sampling._sampler import Completions as Completions
@@ -26,6 +39,12 @@ from rlx.sampling._sampler import Sampler as Sampler
 
 __all__ = (
   "KV_DTYPES",
+  "K_HEADROOM",
+  "V_HEADROOM",
+  "WEIGHT_DTYPES",
+  "calibrate_kv_scales",
+  "kv_scales_from_absmax",
+  "quantize_params",
   "Completions",
   "SamplerConfig",
   "Sampler",

@@ -12,7 +12,8 @@ KV_DTYPES = {
   "fp8_e4m3": jnp.float8_e4m3fn,
   "fp8_e5m2": jnp.float8_e5m2,
 }
-WEIGHT_DTYPES = ("auto",)
+# weight_dtype names: "auto" = the params' own leaves; FP8 = W8A8 decoder linears.
+WEIGHT_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 def _positive_int(value, name: str) -> int:
@@ -35,7 +36,12 @@ class SamplerConfig:
     kv_dtype: page dtype: "float32" | "bfloat16" | "fp8_e4m3" | "fp8_e5m2" |
       "auto" (the model's compute dtype). FP8 pages need `kv_scales` in
       `generate` (K = page * k_scale).
-    weight_dtype: "auto" or None: the params' own dtype (the only option for now).
+    weight_dtype: "auto" or None: the params' own leaves as passed. "fp8_e4m3" |
+      "fp8_e5m2": every decoder linear runs W8A8 with 128x128 FP8 weight blocks
+      and dynamic 1x128 activation scales (`rlx.policy.quantize_linears`);
+      dense params passed to `generate` are quantized on device at the start
+      of each call, or pass `rlx.sampling.quantize_params(params, config)`
+      once per policy update. Embeddings and the LM head stay high precision.
     temperature: 0 = greedy; else logits are divided by it before sampling.
     top_k: 0 = off; else sample among the k largest logits.
     top_p: nucleus sampling mass in (0, 1]; 1 = off.
@@ -81,8 +87,7 @@ class SamplerConfig:
       raise ValueError(f"`kv_dtype` must be one of {('auto', *KV_DTYPES)}, got {self.kv_dtype!r}.")
     if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
       raise ValueError(
-        f"`weight_dtype` must be 'auto' or None (the params' dtype; FP8 weights are not "
-        f"supported yet), got {self.weight_dtype!r}."
+        f"`weight_dtype` must be None or one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}."
       )
     t = self.temperature
     if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:

@@ -54,7 +54,6 @@ from jax.sharding import Mesh
 
 from rlx import policy
 from rlx.sampling._config import SamplerConfig
-from rlx.sampling._fp8 import quantize_params
 from rlx.sampling._engine import (
   Knobs,
   PageState,
@@ -64,6 +63,7 @@ from rlx.sampling._engine import (
   engine_for,
   stop_id_slots,
 )
+from rlx.sampling._fp8 import quantize_params
 
 
 class Completions(NamedTuple):

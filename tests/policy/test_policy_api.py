@@ -6,6 +6,8 @@ from rlx import policy
 
 PUBLIC = (
   "AttentionFn",
+  "Fp8Kernel",
+  "LINEAR_KERNELS",
   "CacheAttentionFn",
   "CharTokenizer",
   "DEFAULT_CHUNK_SIZE",
@@ -18,6 +20,7 @@ PUBLIC = (
   "Tokenizer",
   "apply_rope",
   "check_params",
+  "check_tokens",
   "default_attention_fn",
   "dense_causal_attention",
   "embed",
@@ -38,6 +41,7 @@ PUBLIC = (
   "param_shardings",
   "partition_rules",
   "positions_from_segments",
+  "quantize_linears",
   "rms_norm",
   "rope_inv_freq",
   "save_hf_checkpoint",

@@ -23,6 +23,12 @@ def test_public_names_and_signatures():
   assert set(sampling.__all__) == {n for n in dir(sampling) if not n.startswith("_")}
   assert set(sampling.__all__) == {
     "KV_DTYPES",
+    "K_HEADROOM",
+    "V_HEADROOM",
+    "WEIGHT_DTYPES",
+    "calibrate_kv_scales",
+    "kv_scales_from_absmax",
+    "quantize_params",
     "Completions",
     "SamplerConfig",
     "Sampler",
