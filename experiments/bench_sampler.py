@@ -103,6 +103,9 @@ _SHORT_NEW = flags.DEFINE_integer(
 )
 _PAGE = flags.DEFINE_integer("page_size", 16, "rlx KV page size.")
 _SYNC = flags.DEFINE_integer("steps_per_sync", 32, "rlx decode steps per device window.")
+_PREFILL_CHUNK = flags.DEFINE_integer(
+  "prefill_chunk", 0, "rlx prefill_chunk; 0 = the workload's max_prompt_len (one chunk per prompt)."
+)
 _TORCH_THREADS = flags.DEFINE_list(
   "torch_threads",
   [str(os.cpu_count()), "1"],
@@ -288,6 +291,7 @@ class _DenseSampler:
     out_logp = jnp.zeros((b, m), jnp.float32).at[:, 0].set(logp)
     out_len = jnp.ones((b,), jnp.int32)
 
+    @jax.named_scope("dense_decode_step")
     def body(carry):
       t, tok, done, cache, out_tok, out_logp, out_len = carry
       x = policy.embed(params, mc, tok[:, None])
@@ -477,6 +481,7 @@ def _rlx_config(**kw) -> sampling.SamplerConfig:
     steps_per_sync=_SYNC.value,
   )
   base.update(kw)
+  base.setdefault("prefill_chunk", _PREFILL_CHUNK.value or base["max_prompt_len"])
   if "num_pages" not in base:  # the smallest pool that holds max_slots full sequences
     pps = -(-(base["max_prompt_len"] + base["max_new_tokens"] - 1) // base["page_size"])
     base["num_pages"] = base["max_slots"] * pps
@@ -541,10 +546,13 @@ def _speed_table(mc, params, hf) -> tuple[list[str], dict]:
         f"{st.get('num_pages')} pages, {st.get('preemptions')} preemptions."
       )
   lines += ["", rlx_note, "", "Targets: rlx >= 3x transformers and >= 1.3x dense-KV JAX."]
-  return lines, {"tps": tps}
+  hf_rows = {k: v for k, v in tps.items() if k.startswith("transformers")}
+  best = max(hf_rows, key=hf_rows.get) if hf_rows else None
+  return lines, {"best_threads": int(best.split("=")[1].rstrip(")")) if best else None}
 
 
-def _step_table(mc, params, hf) -> list[str]:
+def _step_table(mc, params, hf, best_threads: int | None) -> list[str]:
+  """Decode step time; transformers runs with `best_threads` (the speed table's best) if set."""
   b, m, short = _BATCH.value, _NEW.value, _SHORT_NEW.value
   if not 1 <= short < m:
     raise app.UsageError(f"--short_new_tokens must be in [1, --new_tokens={m}).")
@@ -559,7 +567,7 @@ def _step_table(mc, params, hf) -> list[str]:
       )  # fmt: skip
       calls[(f"dense JAX ({mode})", new)] = functools.partial(dense.generate, params, prompts, 1, 0)
   threads = _torch_threads()
-  hf_threads = threads[0] if threads else None
+  hf_threads = best_threads or (threads[0] if threads else None)
   if hf_threads is not None:
     for new in (m, short):
       hf.m = new
@@ -713,8 +721,9 @@ def _pool_table(mc, params) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # Where the time goes: XLA op-level profile of one call (in a subprocess, HLO dumped).
 
-# (bucket, substrings of the HLO op's `op_name` metadata), first match wins; ops outside the
-# decode `while` loop count as "prefill & setup".
+# (bucket, substrings of the HLO op's `op_name` metadata), first match wins. Decode ops are
+# those of rlx's decode module (an XLA module named after `_decode_loop`) and the dense
+# sampler's `dense_decode_step` scope; everything else counts as "prefill & setup".
 _BUCKETS = (
   ("attention: paged (page gather, mask, softmax, dots)", ("paged_attention",)),
   ("attention: dense cache (mask, softmax, dots)", ("dense_decode_attention",)),
@@ -723,7 +732,7 @@ _BUCKETS = (
   ("GEMMs (q/k/v/o, MLP, LM head)", ("dot_general",)),
 )
 _OTHER = "other (norms, RoPE, residuals, sampling, page/slot bookkeeping)"
-_PREFILL = "prefill & setup (ops outside the decode loop)"
+_PREFILL = "prefill & setup (not in the decode step)"
 _UNKNOWN = "ops without op_name metadata (copies inserted by XLA)"
 
 
@@ -744,10 +753,10 @@ def _op_names(dump_dir: str) -> dict[tuple[str, str], str]:
   return out
 
 
-def _bucket(op_name: str | None) -> str:
+def _bucket(op_name: str | None, module: str) -> str:
   if op_name is None:
     return _UNKNOWN
-  if "/while/" not in op_name:
+  if "decode" not in module and "dense_decode_step" not in op_name:
     return _PREFILL
   for name, keys in _BUCKETS:
     if any(k in op_name for k in keys):
@@ -792,7 +801,7 @@ def _profile_child(out_dir: str) -> None:
         op, module = args.get("hlo_op"), args.get("hlo_module")
         if e.get("ph") != "X" or op is None or op.split(".")[0] in ("while", "call", "conditional"):
           continue
-        key = _bucket(names.get((module, op)))
+        key = _bucket(names.get((module, op)), module)
         ms[key] = ms.get(key, 0.0) + e["dur"] / 1e3
       ms["all"] = sum(v for k, v in ms.items() if k != "wall")
       runs[name].append(ms)
@@ -857,20 +866,14 @@ def _rerun_flags(with_tables: bool = False) -> list[str]:
   for name in flags.FLAGS:
     f = flags.FLAGS[name]
     if f.present and name in _OWN_FLAGS and (with_tables or name not in ("tables", "out")):
+      if name == "profile_child":
+        continue
       value = ",".join(f.value) if isinstance(f.value, list) else f.value
       out.append(f"--{name}={value}")
   return out
 
 
-_OWN_FLAGS = {
-  f.name
-  for f in (
-    _TABLES, _LAYERS, _HIDDEN, _INTERMEDIATE, _HEADS, _KV_HEADS, _VOCAB, _DTYPE, _BATCH,
-    _MIN_PROMPT, _MAX_PROMPT, _NEW, _SHORT_NEW, _PAGE, _SYNC, _TORCH_THREADS, _DENSE_LAYERS,
-    _TAIL_REQUESTS, _TAIL_STOPS, _TAIL_HF, _PREFIX_PROMPTS, _PREFIX_LEN, _GROUP, _POOL_FACTOR,
-    _REPEATS, _NOTE, _OUT,
-  )
-}  # fmt: skip
+_OWN_FLAGS = {v.name for v in list(globals().values()) if isinstance(v, flags.FlagHolder)}
 
 
 def main(argv):
@@ -903,19 +906,22 @@ def main(argv):
     "",
     f"Model: qwen2-style, {mc.num_layers} layers, width {mc.hidden_size}, MLP "
     f"{mc.intermediate_size}, heads {mc.num_heads}/{mc.num_kv_heads}, vocab {mc.vocab_size}, "
-    f"{mc.param_dtype}. rlx: page {_PAGE.value}, steps_per_sync {_SYNC.value}. Median of "
+    f"{mc.param_dtype}. rlx: page {_PAGE.value}, steps_per_sync {_SYNC.value}, prefill_chunk "
+    f"{_PREFILL_CHUNK.value or 'max_prompt_len'}. Median of "
     f"{_REPEATS.value} calls after a warm-up call, interleaved across the rows of each table.",
   ]
   if _NOTE.value:
     lines += ["", _NOTE.value]
   lines.append("")
   print("\n".join(lines), flush=True)
+  best_threads = None
   for name in tables:
     start = time.perf_counter()
     if name == "speed":
-      table, _ = _speed_table(mc, params, hf)
+      table, speed = _speed_table(mc, params, hf)
+      best_threads = speed["best_threads"]
     elif name == "step":
-      table = _step_table(mc, params, hf)
+      table = _step_table(mc, params, hf, best_threads)
     elif name == "tail":
       table = _tail_table(mc, params)
     elif name == "prefix":
