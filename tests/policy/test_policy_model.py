@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rlx import kernels_pallas, policy
+from rlx.policy import _model
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -415,3 +416,45 @@ def test_config_from_transformers4_style_dicts():
   assert c.eos_token_id == (128001, 128008, 128009) and hash(c)
   assert (c.param_dtype, c.compute_dtype) == ("float32", "float32")
   assert policy.ModelConfig.from_hf_config(c.to_hf_config()) == c
+
+
+def test_fp8_linear_matches_fake_quant():
+  """`_linear` on an Fp8Kernel == fake-quant f32 math, widths 160 -> 200 (partial edge blocks)."""
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.normal(size=(1, 160, 200)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(3, 5, 160)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(200,)), jnp.float32)
+  tree = {"layers": {g: {} for g, _ in policy.LINEAR_KERNELS}}
+  for g, n in policy.LINEAR_KERNELS:
+    tree["layers"][g][n] = {"kernel": w}
+  kernel = policy.quantize_linears(tree)["layers"]["attn"]["q_proj"]["kernel"]
+  k = jax.tree.map(lambda a: a[0], kernel)
+  assert k.scale.shape == (2, 2)
+  y = _model._linear({"kernel": k, "bias": bias}, x, jnp.float32)
+  x_q, x_s = kernels_pallas.quantize_fp8_per_token_group(x.reshape(15, 160), 128)
+  x_deq = x_q.astype(jnp.float32) * jnp.repeat(x_s, 128, axis=1)[:, :160]
+  want = jnp.dot(x_deq, k.dequantize(), precision="highest").reshape(3, 5, 200) + bias
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-4)
+  dense = jnp.einsum("bsk,kn->bsn", x, w[0]) + bias
+  rel = float(jnp.linalg.norm(y - dense) / jnp.linalg.norm(dense))
+  assert 0 < rel < 0.05  # W8A8 error, not zero (really quantized) and small
+
+
+def test_fp8_forward_same_decoder_and_hook(models):
+  """FP8 params run through the same forward; a layer hook passes FP8 kernels unchanged."""
+  config, params = models["qwen3"]
+  q = policy.quantize_linears(params)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 6)))
+  fwd = jax.jit(policy.forward, static_argnums=1, static_argnames="layer_params_fn")
+  dense, fp8 = fwd(params, config, tokens), fwd(q, config, tokens)
+  hooked = fwd(q, config, tokens, layer_params_fn=lambda layer: layer)
+  np.testing.assert_array_equal(np.asarray(hooked), np.asarray(fp8))
+  rel = float(jnp.linalg.norm(fp8 - dense) / jnp.linalg.norm(dense))
+  assert 0 < rel < 0.25, rel  # quantized (not identical), but the same model
+  cast = jax.tree.map(lambda x: x, q)
+  k = cast["layers"]["mlp"]["up_proj"]["kernel"]
+  cast["layers"]["mlp"]["up_proj"]["kernel"] = policy.Fp8Kernel(
+    k.values.astype(jnp.float32), k.scale
+  )
+  with pytest.raises(ValueError, match="Fp8Kernel"):
+    policy.forward(cast, config, tokens)
