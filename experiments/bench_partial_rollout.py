@@ -59,7 +59,7 @@ _VOCAB = flags.DEFINE_integer("vocab", 256, "Vocabulary size V.")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Measured rounds (one collection per mode each).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Unmeasured rounds first.")
 _STEPS = flags.DEFINE_integer("steps_per_sync", 8, "Decode steps per device window.")
-_CHUNK = flags.DEFINE_integer("prefill_chunk", 16, "Prefill tokens per row and call.")
+_CHUNKS = flags.DEFINE_list("prefill_chunk", ["16", "64"], "Prefill tokens per row and call.")
 _OVER = flags.DEFINE_list("over_provision", ["1.5", "2.0"], "Partial-rollout factors.")
 _OUT = flags.DEFINE_string("out", "", "Also write the markdown here.")
 
@@ -110,18 +110,8 @@ def main(argv):
     temperature=1.0,
     stop_token_ids=tuple(range(v - k, v)),
     steps_per_sync=_STEPS.value,
-    prefill_chunk=_CHUNK.value,
   )
-  static = sampling.Sampler(mc, dataclasses.replace(base, continuous_batching=False))
-  cont = sampling.Sampler(mc, base)
   params = policy.init_params(mc, jax.random.key(0))
-  # Compile every prefill row bucket (8, 16, 32, ... rows) before measuring.
-  n = 1
-  while True:
-    cont.generate(params, [[1, 2, 3, 4, 5]] * n, num_samples=1, rng=jax.random.key(0))
-    if n > slots // 2:
-      break
-    n = max(9, 2 * n - 1) if n > 1 else 9
 
   def versioned(version):  # a new policy every collection (as after a train step)
     return jax.tree.map(lambda x: x * (1.0 + 1e-3 * version), params)
@@ -143,7 +133,7 @@ def main(argv):
 
     return collect
 
-  def partial_mode(factor, seed):
+  def partial_mode(cont, factor, seed):
     source = _Prompts(v, k, seed)
     engine = RolloutEngine(cont, num_samples=g, target_groups=target, over_provision=factor)
 
@@ -165,12 +155,22 @@ def main(argv):
 
     return collect
 
-  modes = {
-    "synchronous (static batching)": sync_mode(static, 1),
-    "continuous batching": sync_mode(cont, 1),
-  }
-  for f in factors:
-    modes[f"partial rollout {f:g}x"] = partial_mode(f, 1)
+  modes, chunks = {}, [int(c) for c in _CHUNKS.value]
+  for c in chunks:
+    cfg = dataclasses.replace(base, prefill_chunk=c)
+    static = sampling.Sampler(mc, dataclasses.replace(cfg, continuous_batching=False))
+    cont = sampling.Sampler(mc, cfg)
+    # Compile every prefill row bucket (8, 16, 32, ... rows) before measuring.
+    n = 1
+    while True:
+      cont.generate(params, [[1, 2, 3, 4, 5]] * n, num_samples=1, rng=jax.random.key(0))
+      if n > slots // 2:
+        break
+      n = max(9, 2 * n - 1) if n > 1 else 9
+    modes[(c, "synchronous (static batching)")] = sync_mode(static, 1)
+    modes[(c, "continuous batching")] = sync_mode(cont, 1)
+    for f in factors:
+      modes[(c, f"partial rollout {f:g}x")] = partial_mode(cont, f, 1)
   records = {name: [] for name in modes}
   key = jax.random.key(1)
   for r in range(_WARMUP.value + _ROUNDS.value):
@@ -190,36 +190,40 @@ def main(argv):
     f"Machine: {platform.processor() or platform.machine()}, "
     f"jax {jax.__version__} on {jax.devices()[0].platform} (shared by other jobs: noisy).",
     "",
-    "| mode | groups/s (median) | groups/s (total) | x sync | slot util. | tokens/s | "
+    "| prefill chunk | mode | groups/s (median) | groups/s (total) | x sync | slot util. | "
+    "tokens/s | "
     "off-policy tokens | mean staleness | decode steps | host syncs | groups resumed | "
     "prefill tokens |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
-  sync_rate = None
-  for name, rec in records.items():
+  sync_rate = {}
+  for (chunk, name), rec in records.items():
     walls = [x[0] for x in rec]
     toks = sum(x[1] for x in rec)
     steps = sum(x[2] for x in rec)
     med = target / statistics.median(walls)
     total = target * len(rec) / sum(walls)
-    if sync_rate is None:
-      sync_rate = med
+    sync_rate.setdefault(chunk, med)
     util = toks / (steps * slots) if steps else 0.0
     offp = statistics.mean(x[3] for x in rec)
     stale = statistics.mean(x[4] for x in rec)
     lines.append(
-      f"| {name} | {med:.2f} | {total:.2f} | {med / sync_rate:.2f} | {util:.2f} | "
+      f"| {chunk} | {name} | {med:.2f} | {total:.2f} | {med / sync_rate[chunk]:.2f} | {util:.2f} | "
       f"{toks / sum(walls):.0f} | {offp:.2f} | {stale:.2f} | {steps / len(rec):.0f} | "
       f"{sum(x[5] for x in rec) / len(rec):.0f} | {sum(x[6] for x in rec) / len(rec):.1f} | "
       f"{sum(x[7] for x in rec) / len(rec):.0f} |"
     )
   lines += [
     "",
-    "x sync: median groups/s over the synchronous (static batching) row. Decode steps, host syncs "
+    "x sync: median groups/s over the synchronous (static batching) row of the same prefill "
+    "chunk. Decode steps, host syncs "
     "and groups resumed are per collection. Partial rollouts "
     "return groups whose early tokens came from older policy versions (off-policy tokens, "
     "staleness in versions); the trainer corrects them with the recorded per-token "
-    "log-probs (`rlx.objectives.rollout_correction`).",
+    "log-probs (`rlx.objectives.rollout_correction`). Prefill chunk: a prefill call pads "
+    "every row to the chunk, so with short prompts a large chunk makes each admission (and "
+    "each recomputed prefix of a resumed sample) cost many decode steps on CPU; the small "
+    "chunk shows the scheduling gain, the large one the recompute cost.",
     "",
     "Rerun: `python experiments/bench_partial_rollout.py "
     "--out=experiments/results/bench_partial_rollout_cpu.md`",
