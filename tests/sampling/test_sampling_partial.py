@@ -204,6 +204,9 @@ def test_partial_rollouts_lose_nothing_and_keep_versions(params, tmp_path):
   assert len(returned) == len(set(returned))
   assert sorted(returned + engine.buffer_keys()) == source.pulled
   assert engine.buffered_groups > 0
+  # Resumed prefixes, early stops and new params never recompile the decode loop.
+  assert sampler._engine.decode._cache_size() == 1
+  assert sampler._engine.prefill._cache_size() == 1  # max_slots <= 8: one row bucket
 
   # The buffer round-trips through an orbax checkpoint bit-exactly, and both copies continue alike.
   mesh = train.make_mesh(1, 1, 1, devices=jax.devices()[:1])
