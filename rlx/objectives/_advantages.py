@@ -26,6 +26,7 @@ def check_rewards(rewards: jax.Array, name: str = "rewards") -> jax.Array:
   group that holds one. Under `jit` the values are unknown; callers then
   exclude the non-finite entries with the returned mask.
   """
+  _checks.check_real_array(rewards, name)
   _checks.check_rank(rewards, 2, name)
   _checks.check_not_empty(
     rewards, name, "[num_groups, G] with at least one group and one sample per group"
@@ -40,7 +41,22 @@ def check_rewards(rewards: jax.Array, name: str = "rewards") -> jax.Array:
         f"{member} ({int(bad.sum())} non-finite value(s) in total; groups "
         f"{sorted({int(g) for g in np.nonzero(bad.any(axis=1))[0]})})."
       )
-  return jnp.isfinite(rewards)
+  return jnp.isfinite(jnp.asarray(rewards))
+
+
+def group_scale(rewards: jax.Array, finite: jax.Array) -> jax.Array:
+  """A power of two per group, `[Ng, 1]`, within a factor 2 of the largest finite |reward|.
+
+  Statistics are computed on `rewards / scale`: dividing by a power of two is
+  exact, so results are unchanged for ordinary rewards, while sums and squares
+  stay finite for rewards up to the float32 maximum (1e30 would otherwise
+  square to inf and give every member advantage 0). 1 for an all-zero group.
+  """
+  biggest = jnp.max(jnp.where(finite, jnp.abs(rewards), 0.0), axis=1, keepdims=True)
+  _, exponent = jnp.frexp(biggest)
+  # |exponent| <= 125 keeps the scale and its reciprocal normal (XLA flushes subnormals).
+  exponent = jnp.clip(exponent - 1, -125, 125)
+  return jnp.where(biggest > 0, jnp.ldexp(jnp.float32(1.0), exponent), jnp.float32(1.0))
 
 
 def _group_stats(rewards: jax.Array, finite: jax.Array) -> tuple[jax.Array, ...]:
@@ -88,18 +104,22 @@ def grpo_advantages(
   Returns:
     float32 advantages with shape `[num_groups, G]`.
   """
-  rewards = _checks.as_f32(rewards)
   finite = check_rewards(rewards)
+  rewards = _checks.as_f32(rewards)
+  _checks.check_flag(normalize_std, "normalize_std")
+  _checks.check_finite(eps, "eps")
   _checks.check_non_negative(eps, "eps")
-  count, _, mean, std = _group_stats(rewards, finite)
+  scale = group_scale(rewards, finite)
+  scaled = jnp.where(finite, rewards / scale, 0.0)
+  count, _, mean, std = _group_stats(scaled, finite)
   singleton = count <= 1.0
   mean = jnp.where(singleton, 0.0, mean)
-  std = jnp.where(singleton, 1.0, std)
-  centered = jnp.where(finite, rewards - mean, 0.0)
+  std = jnp.where(singleton, 1.0 / scale, std)
+  centered = jnp.where(finite, scaled - mean, 0.0)
   if not normalize_std:
-    return centered
+    return centered * scale
   # A group of equal rewards gives exactly 0, also with eps = 0 (not 0 / 0 = NaN).
-  return jnp.where(centered == 0, jnp.float32(0.0), centered / (std + eps))
+  return jnp.where(centered == 0, jnp.float32(0.0), centered / (std + eps / scale))
 
 
 def drgrpo_advantages(rewards: Float[Array, "Ng G"]) -> Float[Array, "Ng G"]:
@@ -143,13 +163,14 @@ def rloo_advantages(rewards: Float[Array, "Ng G"]) -> Float[Array, "Ng G"]:
   Returns:
     float32 advantages with shape `[num_groups, G]`.
   """
-  rewards = _checks.as_f32(rewards)
   finite = check_rewards(rewards)
-  count, total, _, _ = _group_stats(rewards, finite)
-  values = jnp.where(finite, rewards, 0.0)
+  rewards = _checks.as_f32(rewards)
+  scale = group_scale(rewards, finite)
+  values = jnp.where(finite, rewards / scale, 0.0)
+  count, total, _, _ = _group_stats(values, finite)
   others = jnp.maximum(count - 1.0, 1.0)
   baseline = jnp.where(count <= 1.0, 0.0, (total - values) / others)
-  return jnp.where(finite, values - baseline, 0.0)
+  return jnp.where(finite, (values - baseline) * scale, 0.0)
 
 
 def broadcast_to_tokens(
@@ -170,6 +191,8 @@ def broadcast_to_tokens(
   Returns:
     float32 array with shape `[B, T]`.
   """
+  _checks.check_real_array(seq_values, "seq_values")
+  _checks.check_real_array(mask, "mask")
   seq_values = jnp.asarray(seq_values)
   mask = jnp.asarray(mask)
   _checks.check_rank(seq_values, 1, "seq_values")

@@ -14,10 +14,10 @@ from jaxtyping import Array, Float, Shaped
 from rlx.objectives._checks import (
   as_f32,
   as_mask,
+  check_agg_scale,
   check_choice,
-  check_non_negative,
-  check_rank,
   check_token_arrays,
+  safe_div,
   where_mask,
 )
 
@@ -87,7 +87,7 @@ def aggregate(
   which counts sequences whose mask is all zero; rlx excludes them (`|V|`),
   so a padded row never dilutes the mean. With every row valid the two agree.
 
-  A zero denominator (no valid token at all) gives 0, never NaN. Masked values
+  A zero denominator (no valid token at all, or `scale = 0`) gives 0, never NaN. Masked values
   are removed with `where`, so NaN/inf there never reaches the result or its
   gradient.
 
@@ -97,17 +97,15 @@ def aggregate(
     mask: 1/True on the tokens that count, with shape `[B, T]`.
     mode: one of `AGG_MODES`.
     scale: optional scalar replacing the denominator (`sum m`, `|V|` or `|V| T`),
-      e.g. `aggregate_scale(full_batch_mask, mode)` for micro-batching. Must be
-      >= 0 when concrete.
+      e.g. `aggregate_scale(full_batch_mask, mode)` for micro-batching. A real
+      scalar, finite and >= 0 when concrete.
 
   Returns:
     float32 scalar.
   """
   check_choice(mode, AGG_MODES, "mode")
   check_token_arrays(values=values, mask=mask)
-  if scale is not None:
-    check_rank(scale, 0, "scale")
-    check_non_negative(scale, "scale")
+  check_agg_scale(scale, "scale")
   valid = as_mask(mask)
   v = where_mask(valid, as_f32(values))
   if mode == "seq-mean-token-mean":
@@ -116,4 +114,4 @@ def aggregate(
   else:
     numerator = jnp.sum(v)
   denominator = _default_scale(valid, mode) if scale is None else as_f32(scale)
-  return numerator / jnp.where(denominator == 0, 1.0, denominator)
+  return safe_div(numerator, denominator, 0.0)

@@ -46,8 +46,12 @@ def adaptive_is_lambda(
   Returns:
     float32 scalar in [0, 1]; never differentiated.
   """
+  for name, x in (("raw_weights", raw_weights), ("weights", weights), ("valid", valid)):
+    _checks.check_real_array(x, name)
   _checks.check_same_shape("raw_weights", raw_weights, {"weights": weights, "valid": valid})
+  _checks.check_mask_values(valid, "valid")
   _checks.check_rank(mismatch_kl, 0, "mismatch_kl")
+  _checks.check_non_negative(mismatch_kl, "mismatch_kl")
   _checks.check_positive(kl_scale, "kl_scale")
   kl = jax.lax.stop_gradient(_checks.as_f32(mismatch_kl))
   severity = 1.0 - jnp.exp(-kl / jnp.asarray(kl_scale, jnp.float32))

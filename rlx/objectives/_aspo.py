@@ -9,6 +9,7 @@ from rlx.objectives._checks import (
   check_greater,
   check_range,
   check_ratio_clips,
+  check_scalar,
   clip,
   is_concrete,
 )
@@ -91,7 +92,8 @@ def aspo_loss(
     high_entropy_clip_high: `>= 0`, upper clip of high-entropy tokens.
     high_entropy_fraction: fraction in [0, 1] of each sequence's valid tokens
       treated as high entropy (a Python float).
-    dual_clip: soft dual-clip constant `c > 1` for A < 0.
+    dual_clip: soft dual-clip constant `c > 1` for A < 0 (required: ASPO's
+      negative branch is defined with it).
     positive_dual_clip: cap `c+ > 1` on the flipped weight `1 / r` for A > 0,
       or None for no cap.
     entropy: per-token policy entropy (detached), with shape `[B, T]`; None
@@ -105,9 +107,10 @@ def aspo_loss(
     clip_frac_dual counts both dual clips: A < 0 with r > c and A > 0 with
     1 / r > c+).
   """
-  check_ratio_clips(clip_low, clip_high, dual_clip)
+  check_ratio_clips(clip_low, clip_high, dual_clip, dual_clip_optional=False)
   check_ratio_clips(high_entropy_clip_low, high_entropy_clip_high, prefix="high_entropy_")
-  check_greater(positive_dual_clip, 1.0, "positive_dual_clip")
+  check_greater(positive_dual_clip, 1.0, "positive_dual_clip", optional=True)
+  check_scalar(high_entropy_fraction, "high_entropy_fraction")
   if not is_concrete(high_entropy_fraction):
     raise ValueError(
       "`high_entropy_fraction` must be a Python float (it fixes a quantile at trace time), "

@@ -100,9 +100,7 @@ def bapo_clip_bounds(
     `BapoClipBounds(c_low, c_high, positive_share, dual_clip)`, float32
     scalars (`dual_clip` None when disabled).
   """
-  _checks.check_token_arrays(
-    logp=logp, old_logp=old_logp, advantages=advantages, mask=jnp.asarray(mask)
-  )
+  _checks.check_token_arrays(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
   # Ratio bounds: 0 < c_low <= c_low_max <= 1 <= c_high <= c_high_max <= dual_clip,
   # so the PPO keywords 1 - c_low and c_high - 1 stay in [0, 1) and >= 0.
   _checks.check_range(c_low, "c_low", low=0.0, high=1.0, low_open=True)
@@ -112,7 +110,8 @@ def bapo_clip_bounds(
   _checks.check_interval(c_high, c_high_max, "c_high", "c_high_max")
   _checks.check_positive(delta, "delta")
   _checks.check_range(rho0, "rho0", low=0.0, high=1.0, low_open=True)
-  _checks.check_greater(dual_clip, 1.0, "dual_clip")
+  _checks.check_range(c_high_max, "c_high_max", low=1.0)
+  _checks.check_greater(dual_clip, 1.0, "dual_clip", optional=True)
   _checks.check_interval(c_high_max, dual_clip, "c_high_max", "dual_clip")
 
   valid = _checks.as_mask(mask)

@@ -2,9 +2,13 @@
 
 Each public objective validates on entry: ranks and shapes are static under
 `jit`, so these checks cost nothing at run time and fail before tracing goes
-further. Hyper-parameters are checked whenever their value is known: Python
-and NumPy numbers and concrete (non-traced) `jax.Array`s. Traced values (e.g.
-adaptive clip bounds computed inside a jitted step) pass through unchecked.
+further. Hyper-parameters must be real scalars (Python/NumPy numbers or 0-d arrays,
+also traced ones: their dtype and rank are static); their range is checked
+whenever their value is known: Python and NumPy numbers and concrete
+(non-traced) `jax.Array`s. Traced values (e.g. adaptive clip bounds computed
+inside a jitted step) pass through unchecked. Masks must hold only 0/1 (or
+bool) values; that is checked when the mask is concrete (an eager call).
+Under `jit` a mask is read as `mask != 0`.
 """
 
 from collections.abc import Iterable, Mapping
@@ -49,11 +53,73 @@ def check_not_empty(x: Any, name: str, expected: str = "at least one element") -
     raise ValueError(f"`{name}` must be {expected}, got the zero-size shape {tuple(shape)}.")
 
 
-def check_token_arrays(**arrays: Any) -> None:
-  """Checks that all given (non-None) arrays are `[B, T]` and share one shape.
+def _dtype(x: Any) -> np.dtype | None:
+  """The dtype of `x` without moving device data (None if it is not array-like)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None:
+    return np.dtype(dtype)
+  try:
+    return np.asarray(x).dtype
+  except (TypeError, ValueError):
+    return None
 
-  The first keyword is the reference the others are compared to.
+
+def is_real_dtype(dtype: Any) -> bool:
+  """True for bool, integer and floating dtypes (bfloat16/float16 included)."""
+  return dtype is not None and (
+    jnp.issubdtype(dtype, jnp.bool_)
+    or jnp.issubdtype(dtype, jnp.integer)
+    or jnp.issubdtype(dtype, jnp.floating)
+  )
+
+
+def check_real_array(x: Any, name: str) -> None:
+  """Raises ValueError unless `x` is an array (or nested list) of bool, int or float values."""
+  if x is None:
+    raise ValueError(f"`{name}` must be an array, got None.")
+  if isinstance(x, str | bytes):
+    raise ValueError(f"`{name}` must be an array, got the string {x!r}.")
+  dtype = _dtype(x)
+  if not is_real_dtype(dtype):
+    what = f"dtype {dtype}" if dtype is not None else f"a {type(x).__name__}"
+    raise ValueError(f"`{name}` must hold real numbers (bool, int or float), got {what}.")
+
+
+def check_mask_values(mask: Any, name: str) -> None:
+  """Raises ValueError unless concrete `mask` holds only 0/1 (or bool) values.
+
+  A mask selects tokens; it is not a weight. 0.5, 2, -1 or NaN would be read
+  as `mask != 0` (counted with weight 1), so they are refused when the value
+  is known. Traced masks are not checked.
   """
+  if not is_concrete(mask):
+    return
+  dtype = _dtype(mask)
+  if dtype is not None and jnp.issubdtype(dtype, jnp.bool_):
+    return
+  values = np.asarray(mask)
+  bad = ~((values == 0) | (values == 1))
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"`{name}` must hold only 0/1 or bool values, got {values[where]} at index {where} "
+      f"({int(bad.sum())} such value(s)); a mask selects tokens, pass per-token weights "
+      "as `is_weights`."
+    )
+
+
+def check_token_arrays(*, optional: Iterable[str] = (), **arrays: Any) -> None:
+  """Checks that the given arrays are real-valued `[B, T]` and share one shape.
+
+  The first keyword is the reference the others are compared to. An array may
+  be None only if its name is in `optional`. Arrays whose name ends in "mask"
+  must also hold only 0/1 (or bool) values when concrete.
+  """
+  optional = set(optional)
+  for name, x in arrays.items():
+    if x is None and name in optional:
+      continue
+    check_real_array(x, name)
   items = [(k, v) for k, v in arrays.items() if v is not None]
   if not items:
     return
@@ -61,6 +127,65 @@ def check_token_arrays(**arrays: Any) -> None:
   check_rank(ref, 2, ref_name)
   check_not_empty(ref, ref_name, "[B, T] with B >= 1 sequences and T >= 1 tokens")
   check_same_shape(ref_name, ref, dict(items[1:]))
+  for name, x in items:
+    if name.endswith("mask"):
+      check_mask_values(x, name)
+
+
+def check_weight_values(weights: Any, valid: Any, name: str) -> None:
+  """Raises ValueError if concrete importance `weights` hold a negative or non-finite entry."""
+  if not (is_concrete(weights) and (valid is None or is_concrete(valid))):
+    return
+  w = np.asarray(weights, np.float64)
+  keep = np.ones(w.shape, bool) if valid is None else np.asarray(valid) != 0
+  bad = keep & ~(np.isfinite(w) & (w >= 0))
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"`{name}` must be finite and >= 0 (importance weights), got {w[where]} at index {where}."
+    )
+
+
+def check_flag(value: Any, name: str) -> None:
+  """Raises ValueError unless `value` is a concrete bool (it selects code at trace time)."""
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+      f"`{name}` must be a Python bool (it selects the computation at trace time), got a "
+      "traced value; mark it static (e.g. `jax.jit(..., static_argnames=...)`)."
+    )
+  if isinstance(value, bool | np.bool_):
+    return
+  if isinstance(value, np.ndarray | jax.Array) and value.shape == () and value.dtype == bool:
+    return
+  raise ValueError(f"`{name}` must be a bool, got {value!r}.")
+
+
+def check_scalar(value: Any, name: str, *, optional: bool = False) -> None:
+  """Raises ValueError unless `value` is a real scalar (or None when `optional`).
+
+  Accepted: Python int/float, NumPy integer/floating scalars and 0-d arrays,
+  0-d `jax.Array`s, concrete or traced (their dtype and rank are static).
+  Refused: None (unless optional), bools, strings, complex numbers, arrays of
+  rank > 0 (a hyper-parameter would silently broadcast per token).
+  """
+  if value is None:
+    if optional:
+      return
+    raise ValueError(f"`{name}` must be a real number, got None.")
+  if isinstance(value, bool | np.bool_):
+    raise ValueError(f"`{name}` must be a real number, got the bool {value!r}.")
+  if isinstance(value, int | float):
+    return
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or not isinstance(value, np.ndarray | np.generic | jax.Array):
+    raise ValueError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}.")
+  if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+    raise ValueError(f"`{name}` must be a real number, got dtype {dtype}.")
+  if np.ndim(value) != 0:
+    raise ValueError(
+      f"`{name}` must be a scalar (rank 0), got shape {shape_str(value)}; one value holds "
+      "for the whole batch."
+    )
 
 
 def check_choice(value: Any, choices: Iterable[str], name: str) -> None:
@@ -90,11 +215,14 @@ def check_range(
   low_open: bool = False,
   high_open: bool = False,
   why: str = "",
+  optional: bool = False,
 ) -> None:
   """Raises ValueError unless concrete `value` lies in the interval (None = unbounded side).
 
-  NaN is always out of range. Traced values are not checked.
+  `value` must be a real scalar (`check_scalar`; None allowed only when
+  `optional`). NaN is always out of range. Traced values are not range-checked.
   """
+  check_scalar(value, name, optional=optional)
   if value is None or not is_concrete(value):
     return
   x = np.asarray(value, np.float64)
@@ -114,21 +242,23 @@ def check_range(
   raise ValueError(f"`{name}` must be {want}, got {_show(value)}{why}.")
 
 
-def check_finite(value: Any, name: str) -> None:
+def check_finite(value: Any, name: str, *, optional: bool = False) -> None:
   """Raises ValueError unless concrete `value` is a finite number."""
-  check_range(value, name, low=-np.inf, high=np.inf, low_open=True, high_open=True)
+  check_scalar(value, name, optional=optional)
+  if value is not None and is_concrete(value) and not np.isfinite(np.asarray(value, np.float64)):
+    raise ValueError(f"`{name}` must be finite, got {_show(value)}.")
 
 
-def check_non_negative(value: Any, name: str) -> None:
-  check_range(value, name, low=0.0)
+def check_non_negative(value: Any, name: str, *, optional: bool = False) -> None:
+  check_range(value, name, low=0.0, optional=optional)
 
 
-def check_positive(value: Any, name: str) -> None:
-  check_range(value, name, low=0.0, low_open=True)
+def check_positive(value: Any, name: str, *, optional: bool = False) -> None:
+  check_range(value, name, low=0.0, low_open=True, optional=optional)
 
 
-def check_greater(value: Any, bound: float, name: str) -> None:
-  check_range(value, name, low=bound, low_open=True)
+def check_greater(value: Any, bound: float, name: str, *, optional: bool = False) -> None:
+  check_range(value, name, low=bound, low_open=True, optional=optional)
 
 
 def check_interval(low: Any, high: Any, low_name: str, high_name: str) -> None:
@@ -137,14 +267,28 @@ def check_interval(low: Any, high: Any, low_name: str, high_name: str) -> None:
     raise ValueError(f"`{low_name}` ({_show(low)}) must be <= `{high_name}` ({_show(high)}).")
 
 
+def check_agg_scale(scale: Any, name: str) -> None:
+  """An optional aggregation denominator: a real scalar in [0, inf) (None: the default)."""
+  if scale is not None:
+    check_rank(scale, 0, name)
+  check_non_negative(scale, name, optional=True)
+  check_finite(scale, name, optional=True)
+
+
 def check_ratio_clips(
-  clip_low: Any, clip_high: Any, dual_clip: Any = None, *, prefix: str = ""
+  clip_low: Any,
+  clip_high: Any,
+  dual_clip: Any = None,
+  *,
+  prefix: str = "",
+  dual_clip_optional: bool = True,
 ) -> None:
   """PPO-convention ratio clip bounds: the ratio is kept in `[1 - clip_low, 1 + clip_high]`.
 
   `clip_low` in [0, 1) (at >= 1 the lower bound `1 - clip_low <= 0` is below
   every ratio, silently removing the clip), `clip_high >= 0` and `dual_clip > 1`
-  (None: off; at <= 1 the cap would lie inside the clip window).
+  (None: off, where `dual_clip_optional`; at <= 1 the cap would lie inside the
+  clip window).
   """
   check_range(
     clip_low,
@@ -155,7 +299,7 @@ def check_ratio_clips(
     why=" (the ratio's lower bound is 1 - clip_low; >= 1 would remove it)",
   )
   check_non_negative(clip_high, f"{prefix}clip_high")
-  check_greater(dual_clip, 1.0, "dual_clip")
+  check_greater(dual_clip, 1.0, "dual_clip", optional=dual_clip_optional)
 
 
 def as_f32(x: jax.Array) -> jax.Array:

@@ -158,16 +158,20 @@ def rollout_correction(
     differentiated), the updated mask `[B, T]` in the dtype of `mask`, and a
     `RolloutCorrectionMetrics`.
   """
-  mask = jnp.asarray(mask)
   _checks.check_token_arrays(old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
+  mask = jnp.asarray(mask)
   if level is not None:
     _checks.check_choice(level, CORRECTION_LEVELS, "level")
   if reject is not None:
     _checks.check_choice(reject, REJECTION_LEVELS, "reject")
   _checks.check_choice(reject_statistic, REJECTION_STATISTICS, "reject_statistic")
-  _checks.check_positive(truncate, "truncate")
+  _checks.check_positive(truncate, "truncate", optional=True)
   _checks.check_positive(ais_kl_scale, "ais_kl_scale")
-  _checks.check_positive(veto_threshold, "veto_threshold")
+  _checks.check_positive(veto_threshold, "veto_threshold", optional=True)
+  _checks.check_scalar(reject_low, "reject_low", optional=True)
+  _checks.check_scalar(reject_high, "reject_high", optional=True)
+  _checks.check_flag(renormalize, "renormalize")
+  _checks.check_flag(adaptive, "adaptive")
   if reject is None and (reject_low is not None or reject_high is not None):
     raise ValueError("`reject_low`/`reject_high` were given but `reject` is None; set `reject`.")
   if reject is not None:
@@ -175,12 +179,14 @@ def rollout_correction(
       raise ValueError(f"`reject`={reject!r} needs `reject_low` and/or `reject_high`.")
     _checks.check_interval(reject_low, reject_high, "reject_low", "reject_high")
     if reject_statistic == "ratio":
-      _checks.check_non_negative(reject_low, "reject_low")
+      _checks.check_non_negative(reject_low, "reject_low", optional=True)
   if adaptive and level is None:
     raise ValueError("`adaptive`=True needs `level` 'token' or 'sequence', got None.")
   if sampled_mask is not None:
+    _checks.check_real_array(sampled_mask, "sampled_mask")
     sampled_mask = jnp.asarray(sampled_mask)
     _checks.check_same_shape("mask", mask, {"sampled_mask": sampled_mask})
+    _checks.check_mask_values(sampled_mask, "sampled_mask")
     sampled = _checks.as_mask(sampled_mask)
     if _checks.is_concrete(mask) and _checks.is_concrete(sampled_mask):
       outside = np.argwhere(np.asarray(_checks.as_mask(mask) & ~sampled))

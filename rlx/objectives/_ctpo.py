@@ -120,8 +120,8 @@ def ctpo_loss(
   """
   check_non_negative(clip_low, "clip_low")
   check_non_negative(clip_high, "clip_high")
-  check_positive(dual_clip, "dual_clip")
-  check_finite(position_power, "position_power")
+  check_positive(dual_clip, "dual_clip", optional=True)
+  check_finite(position_power, "position_power", optional=True)
   check_choice(variant, CTPO_VARIANTS, "variant")
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale

@@ -28,19 +28,24 @@ def effective_sample_size(
 
   Args:
     weights: importance weights, any shape (e.g. `[B]` sequence weights or
-      `[B, T]` token weights), any float dtype.
+      `[B, T]` token weights), any float dtype; finite and >= 0 where valid
+      (checked when concrete).
     valid: optional bool or 0/1 array with the shape of `weights`.
 
   Returns:
     float32 scalar.
   """
+  _checks.check_real_array(weights, "weights")
   weights = jnp.asarray(weights)
   _checks.check_not_empty(weights, "weights")
   if valid is None:
     valid = jnp.ones(weights.shape, jnp.bool_)
   else:
-    valid = _checks.as_mask(jnp.asarray(valid))
+    _checks.check_real_array(valid, "valid")
     _checks.check_same_shape("weights", weights, {"valid": valid})
+    _checks.check_mask_values(valid, "valid")
+    valid = _checks.as_mask(jnp.asarray(valid))
+  _checks.check_weight_values(weights, valid, "weights")
   w = jax.lax.stop_gradient(jnp.where(valid, _checks.as_f32(weights), 0.0))
   w = w / jnp.maximum(jnp.max(jnp.abs(w), initial=0.0), jnp.float32(1e-30))
   n = jnp.sum(valid.astype(jnp.float32))

@@ -15,8 +15,8 @@ from rlx.objectives._ratios import masked_log_ratio
 
 
 def _clamped_log_ratio(target_logp, behaviour_logp, mask) -> tuple[jax.Array, jax.Array]:
-  mask = jnp.asarray(mask)
   _checks.check_token_arrays(target_logp=target_logp, behaviour_logp=behaviour_logp, mask=mask)
+  mask = jnp.asarray(mask)
   valid = _checks.as_mask(mask)
   sg = jax.lax.stop_gradient
   log_rho = masked_log_ratio(
@@ -90,16 +90,21 @@ def renormalize_weights(
   unchanged. Entries outside `valid` are divided too (callers zero them).
 
   Args:
-    weights: importance weights, any shape (`[B]` or `[B, T]`).
+    weights: importance weights, any shape (`[B]` or `[B, T]`); finite and
+      >= 0 where valid (checked when concrete).
     valid: bool or 0/1 with the shape of `weights`.
 
   Returns:
     float32 with the shape of `weights`; never differentiated.
   """
+  _checks.check_real_array(weights, "weights")
+  _checks.check_real_array(valid, "valid")
   weights = jnp.asarray(weights)
   _checks.check_not_empty(weights, "weights")
-  valid = _checks.as_mask(jnp.asarray(valid))
   _checks.check_same_shape("weights", weights, {"valid": valid})
+  _checks.check_mask_values(valid, "valid")
+  valid = _checks.as_mask(jnp.asarray(valid))
+  _checks.check_weight_values(weights, valid, "weights")
   w = jax.lax.stop_gradient(_checks.as_f32(weights))
   count = jnp.sum(valid.astype(jnp.float32))
   mean = _checks.safe_div(jnp.sum(jnp.where(valid, w, 0.0)), count, 1.0)

@@ -81,9 +81,7 @@ def kl_penalty(
     float32 per-token KL estimates with shape `[B, T]`.
   """
   _checks.check_choice(kind, KL_KINDS, "kind")
-  logp = jnp.asarray(logp)
-  ref_logp = jnp.asarray(ref_logp)
-  _checks.check_token_arrays(logp=logp, ref_logp=ref_logp, mask=mask)
+  _checks.check_token_arrays(logp=logp, ref_logp=ref_logp, mask=mask, optional=("mask",))
   logp = _checks.as_f32(logp)
   ref_logp = _checks.as_f32(ref_logp)
   valid = None

@@ -46,8 +46,9 @@ def m2po_mask(
     The new mask `[B, T]` in the dtype of `mask`: `mask` with the selected tokens
     set to 0.
   """
-  mask = jnp.asarray(mask)
   _checks.check_token_arrays(old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
+  mask = jnp.asarray(mask)
+  _checks.check_finite(tau, "tau")
   _checks.check_non_negative(tau, "tau")
 
   valid = _checks.as_mask(mask)

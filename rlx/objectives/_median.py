@@ -4,7 +4,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from rlx.objectives import _checks
-from rlx.objectives._advantages import check_rewards
+from rlx.objectives._advantages import check_rewards, group_scale
 
 MEDIAN_SCALES = ("std", "mad", "none")
 
@@ -56,7 +56,8 @@ def median_advantages(
     scale: "std" | "mad" | "none", see above.
     eps: added to the scale before dividing; None picks 1e-6 for "std" and 1e-3
       for "mad" (the reference's value); must be > 0 for "mad". Ignored for
-      "none".
+      "none". A traced `eps` is not checked: a traced 0 with "mad" gives
+      +-inf wherever a group's MAD is 0.
 
   Returns:
     `(advantages, keep_mask)`, both float32 with shape `[num_groups, G + 1]`;
@@ -64,8 +65,8 @@ def median_advantages(
     Multiply the keep-mask into the per-sequence loss mask before
     `broadcast_to_tokens`/the loss.
   """
-  rewards = _checks.as_f32(rewards)
   finite = check_rewards(rewards)
+  rewards = _checks.as_f32(rewards)
   _checks.check_choice(scale, MEDIAN_SCALES, "scale")
   group_size = rewards.shape[1]
   if group_size < 3 or group_size % 2 == 0:
@@ -76,6 +77,7 @@ def median_advantages(
     )
   if eps is None:
     eps = _DEFAULT_EPS[scale]
+  _checks.check_finite(eps, "eps")
   _checks.check_non_negative(eps, "eps")
   if scale == "mad" and _checks.is_concrete(eps) and float(eps) == 0.0:
     raise ValueError(
@@ -84,6 +86,9 @@ def median_advantages(
       "reference uses 1e-3) or scale='std'."
     )
 
+  # Statistics on rewards / (a power of two per group): exact, and finite up to float32 max.
+  group = group_scale(rewards, finite)
+  rewards = jnp.where(finite, rewards / group, rewards)
   # Non-finite rewards sort after every finite one and never enter a statistic.
   count = jnp.sum(finite, axis=1)  # [Ng]
   order = jnp.argsort(jnp.where(finite, rewards, jnp.inf), axis=1, stable=True)
@@ -95,12 +100,12 @@ def median_advantages(
 
   if scale == "std":
     spread = jnp.nanstd(observed, axis=1, keepdims=True, ddof=1)
-    advantages = centered / (spread + eps)
+    advantages = centered / (spread + eps / group)
   elif scale == "mad":
     spread = jnp.nanmedian(jnp.abs(observed - median), axis=1, keepdims=True)
-    advantages = centered / (spread + eps)
+    advantages = centered / (spread + eps / group)
   else:
-    advantages = centered
+    advantages = centered * group
 
   is_pivot = jnp.arange(group_size)[None, :] == pivot[:, None]
   keep_mask = jnp.where(is_pivot | ~finite, jnp.float32(0.0), jnp.float32(1.0))

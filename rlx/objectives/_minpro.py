@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_ratio_clips, clip
+from rlx.objectives._checks import check_flag, check_ratio_clips, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import (
   apply_dual_clip,
@@ -71,6 +71,8 @@ def minpro_loss(
     effective ratio `P_t * r_t`; clip fractions from the token ratio `r_t`).
   """
   check_ratio_clips(clip_low, clip_high, dual_clip)
+  check_flag(inclusive, "inclusive")
+  check_flag(cap_prefix, "cap_prefix")
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
   )

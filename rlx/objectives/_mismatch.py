@@ -52,8 +52,8 @@ def rollout_mismatch_kl(
     `MismatchKL(k1, k3)`; both 0 when no token is valid. Nothing is
     differentiated. Masked positions are replaced before any arithmetic.
   """
-  mask = jnp.asarray(mask)
   _checks.check_token_arrays(old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
+  mask = jnp.asarray(mask)
   valid = _checks.as_mask(mask)
   old = jax.lax.stop_gradient(_checks.as_f32(old_logp))
   rollout = jax.lax.stop_gradient(_checks.as_f32(rollout_logp))

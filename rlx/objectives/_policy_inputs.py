@@ -9,9 +9,8 @@ from rlx.objectives._aggregate import AGG_MODES
 from rlx.objectives._checks import (
   as_f32,
   as_mask,
+  check_agg_scale,
   check_choice,
-  check_non_negative,
-  check_rank,
   check_token_arrays,
   where_mask,
 )
@@ -56,11 +55,10 @@ def prepare_policy_inputs(
     mask=mask,
     is_weights=is_weights,
     **extra,
+    optional=("is_weights", *extra),
   )
   check_choice(agg, AGG_MODES, "agg")
-  if agg_scale is not None:
-    check_rank(agg_scale, 0, "agg_scale")
-    check_non_negative(agg_scale, "agg_scale")
+  check_agg_scale(agg_scale, "agg_scale")
   valid = as_mask(mask)
   sg = jax.lax.stop_gradient
 

@@ -14,6 +14,7 @@ from rlx.objectives._checks import (
   LOG_RATIO_CLAMP,
   as_f32,
   as_mask,
+  check_flag,
   check_token_arrays,
   clip,
   where_mask,
@@ -145,6 +146,7 @@ def min_prefix_log_ratio(
     (ratio 1) where the prefix has no valid token, and 0 wherever `mask` is 0.
   """
   check_token_arrays(logp=logp, old_logp=old_logp, mask=mask)
+  check_flag(inclusive, "inclusive")
   valid = as_mask(mask)
   delta = masked_log_ratio(as_f32(logp), as_f32(old_logp), valid)
   return masked_min_prefix(delta, valid, inclusive=inclusive)

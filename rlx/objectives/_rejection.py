@@ -71,15 +71,17 @@ def rollout_rejection_mask(
   Returns:
     bool `[B, T]`, a subset of `mask`. Masked positions never matter.
   """
-  mask = jnp.asarray(mask)
   _checks.check_token_arrays(old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
+  mask = jnp.asarray(mask)
   _checks.check_choice(level, REJECTION_LEVELS, "level")
   _checks.check_choice(statistic, REJECTION_STATISTICS, "statistic")
   if low is None and high is None:
     raise ValueError(f"rejection at level {level!r} needs `low` and/or `high`, got neither.")
+  _checks.check_scalar(low, "low", optional=True)
+  _checks.check_scalar(high, "high", optional=True)
   _checks.check_interval(low, high, "low", "high")
   if statistic == "ratio":
-    _checks.check_non_negative(low, "low")
+    _checks.check_non_negative(low, "low", optional=True)
   valid = _checks.as_mask(mask)
   log_rho = jax.lax.stop_gradient(
     _checks.where_mask(valid, _checks.as_f32(old_logp))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_positive
+from rlx.objectives._checks import check_finite, check_positive
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import apply_is_weights, prepare_policy_inputs
 from rlx.objectives._ratios import masked_log_ratio
@@ -40,8 +40,8 @@ def sapo_loss(
     old_logp: old-policy log-probs (detached), with shape `[B, T]`.
     advantages: per-token advantages (detached), with shape `[B, T]`.
     mask: 1/True on the tokens that count, with shape `[B, T]`.
-    tau_pos: gate temperature `> 0` for positive advantages.
-    tau_neg: gate temperature `> 0` for non-positive advantages.
+    tau_pos: finite gate temperature `> 0` for positive advantages.
+    tau_neg: finite gate temperature `> 0` for non-positive advantages.
     is_weights: rollout-correction weights (detached), with shape `[B, T]`.
     agg: aggregation mode (see `aggregate`).
     agg_scale: optional denominator for `aggregate` (global batch scale).
@@ -50,8 +50,10 @@ def sapo_loss(
     `(loss, metrics)`: float32 scalar and `PolicyLossMetrics` (ratio = `r`;
     the clip fractions are 0: nothing is hard-clipped).
   """
-  check_positive(tau_pos, "tau_pos")
-  check_positive(tau_neg, "tau_neg")
+  for name, tau in (("tau_pos", tau_pos), ("tau_neg", tau_neg)):
+    # tau = inf would make the gate 0 everywhere (no gradient, loss 0).
+    check_positive(tau, name)
+    check_finite(tau, name)
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
   )

@@ -36,12 +36,13 @@ def vcpo_lr_factor(
   Args:
     seq_weights: non-negative sequence-level IS weights `[B]`, e.g.
       `sequence_importance_weights(old_logp, rollout_logp, mask)` (possibly
-      truncated).
-    valid: optional bool `[B]`; False entries are ignored (NaN-safe).
+      truncated); finite and >= 0 where valid (checked when concrete).
+    valid: optional bool or 0/1 `[B]`; False entries are ignored (NaN-safe).
 
   Returns:
     `(rho_ess, lr_factor)`, float32 scalars.
   """
+  _checks.check_real_array(seq_weights, "seq_weights")
   seq_weights = jnp.asarray(seq_weights)
   _checks.check_rank(seq_weights, 1, "seq_weights")
   if seq_weights.shape[0] == 0:
@@ -49,8 +50,11 @@ def vcpo_lr_factor(
   if valid is None:
     valid = jnp.ones(seq_weights.shape, jnp.bool_)
   else:
-    valid = _checks.as_mask(jnp.asarray(valid))
+    _checks.check_real_array(valid, "valid")
     _checks.check_same_shape("seq_weights", seq_weights, {"valid": valid})
+    _checks.check_mask_values(valid, "valid")
+    valid = _checks.as_mask(jnp.asarray(valid))
+  _checks.check_weight_values(seq_weights, valid, "seq_weights")
   rho_ess = effective_sample_size(seq_weights, valid)
   lr_factor = jnp.sqrt(jnp.minimum(rho_ess, 1.0))
   return rho_ess, lr_factor

@@ -37,8 +37,8 @@ def rollout_veto_mask(
   Returns:
     bool `[B, T]`, a subset of `mask`. Masked positions never matter.
   """
-  mask = jnp.asarray(mask)
   _checks.check_token_arrays(old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
+  mask = jnp.asarray(mask)
   _checks.check_positive(threshold, "threshold")
   valid = _checks.as_mask(mask)
   log_rho = jax.lax.stop_gradient(

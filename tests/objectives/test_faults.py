@@ -238,3 +238,220 @@ def test_non_finite_rewards_are_contained_under_jit_median():
   np.testing.assert_array_equal(keep[1], ref_keep[0])
   np.testing.assert_array_equal(adv[2], 0.0)
   np.testing.assert_array_equal(keep[2], 0.0)
+
+
+# --- Masks: only 0/1 or bool, checked when concrete. ---------------------------------------------
+
+_W = jnp.ones((2, 3))
+MASK_CALLS = {
+  "ppo": (lambda m: obj.ppo_clip_loss(X, X, X, m), "mask"),
+  "aspo": (lambda m: obj.aspo_loss(X, X, X, m, entropy=X), "mask"),
+  "aggregate": (lambda m: obj.aggregate(X, m, "token-mean"), "mask"),
+  "aggregate_scale": (lambda m: obj.aggregate_scale(m, "token-mean"), "mask"),
+  "kl_penalty": (lambda m: obj.kl_penalty(X, X, "k1", mask=m), "mask"),
+  "broadcast_to_tokens": (lambda m: obj.broadcast_to_tokens(jnp.zeros(2), m), "mask"),
+  "rollout_correction": (lambda m: obj.rollout_correction(X, X, m), "mask"),
+  "sampled_mask": (
+    lambda m: obj.rollout_correction(X, X, M, level="sequence", sampled_mask=m),
+    "sampled_mask",
+  ),
+  "m2po_mask": (lambda m: obj.m2po_mask(X, X, m), "mask"),
+  "bapo_clip_bounds": (lambda m: obj.bapo_clip_bounds(X, X, X, m), "mask"),
+  "effective_sample_size": (lambda m: obj.effective_sample_size(_W, m), "valid"),
+  "renormalize_weights": (lambda m: obj.renormalize_weights(_W, m), "valid"),
+  "vcpo_lr_factor": (lambda m: obj.vcpo_lr_factor(_W.reshape(-1), valid=m.reshape(-1)), "valid"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASK_CALLS))
+def test_masks_other_than_zero_one_are_rejected(name):
+  call, arg = MASK_CALLS[name]
+  # A weight (0.5, 2), a sign slip (-1) and NaN would all be read as "counted".
+  for bad in (0.5, 2.0, -1.0, np.nan):
+    mask = np.ones((2, 3), np.float32)
+    mask[1, 2] = bad
+    at = r"\(5,\)" if name == "vcpo_lr_factor" else r"\(1, 2\)"
+    with pytest.raises(ValueError, match=rf"`{arg}` must hold only 0/1 or bool values.*{at}"):
+      call(jnp.asarray(mask))
+  call(jnp.ones((2, 3), jnp.int32))  # 0/1 of any dtype, and bool, are fine
+  call(jnp.ones((2, 3), bool))
+
+
+def test_traced_masks_are_read_as_nonzero():
+  # Under jit the values are unknown: documented as `mask != 0`.
+  f = jax.jit(lambda m: obj.aggregate(jnp.arange(6.0).reshape(2, 3), m, "token-mean"))
+  np.testing.assert_allclose(f(jnp.array([[2.0, 0.0, 0.0], [0.0, -1.0, 0.0]])), 2.0)
+
+
+# --- Data arrays: None, strings and complex values name the argument. ----------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_FUNCTIONS) + sorted(MASK_FUNCTIONS))
+def test_data_arrays_must_be_real(name):
+  fn = {**TOKEN_FUNCTIONS, **MASK_FUNCTIONS}[name]
+  first = "mask" if name in MASK_FUNCTIONS else "(logp|old_logp|values|target_logp)"
+  with pytest.raises(ValueError, match=rf"`{first}` must hold real numbers.*complex64"):
+    fn(jnp.zeros((2, 3), jnp.complex64))
+  with pytest.raises(ValueError, match=rf"`{first}` must hold real numbers.*<U1"):
+    fn(np.full((2, 3), "a"))
+
+
+@pytest.mark.parametrize(
+  "call, arg",
+  [
+    (lambda: obj.ppo_clip_loss(None, X, X, M), "logp"),
+    (lambda: obj.gspo_loss(X, X, X, None), "mask"),
+    (lambda: obj.kl_penalty(X, None, "k1"), "ref_logp"),
+    (lambda: obj.rollout_correction(X, X, None), "mask"),
+    (lambda: obj.grpo_advantages(None), "rewards"),
+    (lambda: obj.broadcast_to_tokens(None, M), "seq_values"),
+    (lambda: obj.effective_sample_size(None), "weights"),
+  ],
+)
+def test_missing_data_arrays_name_the_argument(call, arg):
+  with pytest.raises(ValueError, match=rf"`{arg}` must be an array, got None"):
+    call()
+
+
+def test_lists_and_low_precision_inputs_are_accepted():
+  lp = [[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]]
+  want = obj.ppo_clip_loss(jnp.asarray(lp), X, X + 1.0, M)[0]
+  np.testing.assert_allclose(obj.ppo_clip_loss(lp, X, X + 1.0, M)[0], want)
+  got = obj.ppo_clip_loss(jnp.asarray(lp, jnp.bfloat16), X, X + 1.0, M.astype(bool))[0]
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+  np.testing.assert_allclose(
+    obj.grpo_advantages([[1.0, 0.0]]), [[1 / (2**0.5 + 1e-6), -0.707]], 1e-3
+  )
+
+
+# --- Hyper-parameters: real scalars only; flags are bools. ---------------------------------------
+
+# (call taking the value, keyword, whether None is accepted, a valid value).
+SCALAR_HYPER = [
+  (lambda v: _loss("ppo", clip_low=v), "clip_low", False, 0.5),
+  (lambda v: _loss("ppo", dual_clip=v), "dual_clip", True, 3.0),
+  (lambda v: _loss("gspo", clip_high=v), "clip_high", False, 0.5),
+  (lambda v: _loss("cispo", clip_high=v), "clip_high", False, 0.5),
+  (lambda v: _loss("sapo", tau_neg=v), "tau_neg", False, 0.5),
+  (lambda v: _loss("ctpo", clip_low=v), "clip_low", False, 0.5),
+  (lambda v: _loss("ctpo", position_power=v), "position_power", True, 0.5),
+  (lambda v: _loss("minpro", clip_high=v), "clip_high", False, 0.5),
+  (lambda v: _loss("aspo", dual_clip=v), "dual_clip", False, 3.0),
+  (lambda v: _loss("aspo", high_entropy_fraction=v), "high_entropy_fraction", False, 0.5),
+  (lambda v: _loss("ppo", agg_scale=v), "agg_scale", True, 0.5),
+  (lambda v: obj.aggregate(X, M, "token-mean", scale=v), "scale", True, 0.5),
+  (lambda v: obj.grpo_advantages(jnp.ones((2, 3)), eps=v), "eps", False, 0.5),
+  (lambda v: obj.median_advantages(jnp.ones((2, 3)), eps=v), "eps", True, 0.5),
+  (lambda v: obj.m2po_mask(X, X, M, tau=v), "tau", False, 0.5),
+  (lambda v: obj.rollout_correction(X, X, M, truncate=v), "truncate", True, 2.0),
+  (
+    lambda v: obj.rollout_correction(X, X, M, reject="token", reject_high=v),
+    "reject_high",
+    None,
+    2.0,
+  ),
+  (lambda v: obj.rollout_veto_mask(X, X, M, threshold=v), "threshold", False, 0.0001),
+  (
+    lambda v: obj.rollout_rejection_mask(X, X, M, level="token", low=0.5, high=v),
+    "high",
+    True,
+    2.0,
+  ),
+  (lambda v: obj.bapo_clip_bounds(X, X, X, M, rho0=v), "rho0", False, 0.5),
+  (lambda v: obj.ctpo_clip_scale(M, position_power=v), "position_power", False, 0.5),
+  (
+    lambda v: obj.adaptive_is_lambda(_W, _W, M, mismatch_kl=0.1, kl_scale=v),
+    "kl_scale",
+    False,
+    0.5,
+  ),
+]
+
+
+@pytest.mark.parametrize("index", range(len(SCALAR_HYPER)))
+def test_hyper_parameters_must_be_real_scalars(index):
+  call, key, none_ok, good = SCALAR_HYPER[index]
+  # A string, a complex number and a bool.
+  for bad in (str(good), good + 0j, True):
+    with pytest.raises(ValueError, match=rf"`{key}` must be a real number"):
+      call(bad)
+  # A vector would broadcast per token.
+  rank0 = r"(be a scalar \(rank 0\)|have rank 0), got shape \(3,\)"
+  with pytest.raises(ValueError, match=rf"`{key}` must {rank0}"):
+    call(jnp.full((3,), good))
+  call(np.float32(good))  # NumPy scalars and 0-d arrays are fine
+  call(jnp.asarray(good))
+  if none_ok is False:
+    with pytest.raises(ValueError, match=rf"`{key}` must be a real number, got None"):
+      call(None)
+  elif none_ok:
+    call(None)
+
+
+@pytest.mark.parametrize(
+  "call, key, match",
+  [
+    (lambda v: _loss("sapo", tau_pos=v), "tau_pos", "finite"),  # gate 0: no gradient at all
+    (lambda v: _loss("ppo", agg_scale=v), "agg_scale", "finite"),  # loss 0
+    (lambda v: obj.grpo_advantages(jnp.ones((2, 3)), eps=v), "eps", "finite"),
+    (lambda v: obj.m2po_mask(X, X, M, tau=v), "tau", "finite"),
+    (lambda v: obj.adaptive_is_lambda(_W, _W, M, mismatch_kl=v), "mismatch_kl", "in"),
+  ],
+)
+def test_infinite_or_negative_hyper_parameters(call, key, match):
+  bad = -0.1 if key == "mismatch_kl" else np.inf
+  with pytest.raises(ValueError, match=rf"`{key}` must be (>= 0|{match})"):
+    call(bad)
+
+
+@pytest.mark.parametrize(
+  "call, key",
+  [
+    (lambda v: obj.grpo_advantages(jnp.ones((2, 3)), normalize_std=v), "normalize_std"),
+    (lambda v: _loss("minpro", inclusive=v), "inclusive"),
+    (lambda v: _loss("minpro", cap_prefix=v), "cap_prefix"),
+    (lambda v: obj.min_prefix_log_ratio(X, X, M, inclusive=v), "inclusive"),
+    (lambda v: obj.rollout_correction(X, X, M, renormalize=v), "renormalize"),
+    (lambda v: obj.rollout_correction(X, X, M, adaptive=v), "adaptive"),
+  ],
+)
+def test_flags_must_be_bools(call, key):
+  # The string "False" is truthy: it would silently select the other branch.
+  with pytest.raises(ValueError, match=rf"`{key}` must be a bool, got 'False'"):
+    call("False")
+  with pytest.raises(ValueError, match=rf"`{key}` must be a Python bool .* traced"):
+    jax.jit(call)(False)
+  call(np.bool_(False))
+
+
+def test_zero_scale_gives_zero_and_weights_must_be_non_negative():
+  # A zero denominator gives 0 (documented), whatever the numerator.
+  np.testing.assert_array_equal(obj.aggregate(M, M, "token-mean", scale=0.0), 0.0)
+  for call, key in [
+    (lambda w: obj.effective_sample_size(w), "weights"),
+    (lambda w: obj.renormalize_weights(w, jnp.ones(3)), "weights"),
+    (lambda w: obj.vcpo_lr_factor(w), "seq_weights"),
+  ]:
+    for bad in (-1.0, np.inf, np.nan):
+      with pytest.raises(ValueError, match=rf"`{key}` must be finite and >= 0.*index \(1,\)"):
+        call(jnp.array([1.0, bad, 2.0]))
+  # Invalid entries are never read.
+  np.testing.assert_allclose(
+    obj.effective_sample_size(jnp.array([1.0, np.nan]), jnp.array([1, 0])), 1
+  )
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "median"])
+def test_extreme_rewards_keep_their_advantages(name):
+  # 1e30 squares to inf in float32; statistics are taken on rewards / 2^k (exact).
+  def reference(r):
+    r = np.asarray(r, np.float64)
+    if name == "rloo":
+      return r - (r.sum(1, keepdims=True) - r) / (r.shape[1] - 1)
+    mean = np.median(r, axis=1, keepdims=True) if name == "median" else r.mean(1, keepdims=True)
+    return (r - mean) / (r.std(1, ddof=1, keepdims=True) + 1e-6)  # the default eps
+
+  for r in ([[1e30, -1e30, 0.0]], [[3e38, -1e38, 1e38]], [[1e-30, -2e-30, 0.0]]):
+    got = np.asarray(ADVANTAGES[name](jnp.asarray(r, jnp.float32)))
+    want = reference(r)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6 * np.abs(want).max())
