@@ -235,17 +235,19 @@ def test_partial_rollouts_lose_nothing_and_keep_versions(params, tmp_path):
 
 
 def test_greedy_resumed_samples_equal_uninterrupted_ones(params):
-  cfg = dataclasses.replace(CFG, temperature=0.0, stop_token_ids=tuple(range(1, 17)))
+  # A tight pool (8 pages for 4 slots): resumed rows are also preempted and re-prefilled.
+  cfg = dataclasses.replace(CFG, temperature=0.0, stop_token_ids=tuple(range(1, 17)), num_pages=8)
   sampler = sampling.Sampler(MODEL, cfg)
   engine = RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=2.0)
   source = _Source()
-  got, resumed = {}, 0
+  got, resumed, preempted = {}, 0, 0
   for v in range(3):
     out = engine.collect(params, source, jax.random.key(v), policy_version=v)
     resumed += int((out.versions[out.versions >= 0] < v).sum())
+    preempted += out.stats["preemptions"]
     for gi, k in enumerate(out.keys):
       got[int(k)] = (out.tokens[gi * G : gi * G + G], out.logprobs[gi * G : gi * G + G])
-  assert resumed > 0
+  assert resumed > 0 and preempted > 0
   keys = sorted(got)
   ref = sampler.generate(
     params, [_prompt(k).tolist() for k in keys], num_samples=G, rng=jax.random.key(0)
