@@ -48,17 +48,7 @@ def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_sh
       f"Batch keys: missing {missing}, unknown {unknown}; required {REQUIRED_KEYS}, "
       f"optional {OPTIONAL_KEYS}."
     )
-  tokens = batch["tokens"]
-  shape = tuple(np.shape(tokens))
-  dtype = getattr(tokens, "dtype", None) or np.asarray(tokens).dtype
-  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"`tokens` must be an int array [B, S], got {dtype}{list(shape)}.")
-  _placement.check_not_empty(shape, "batch['tokens']")
-  for key in TOKEN_SHAPED_KEYS:
-    if key in batch and tuple(np.shape(batch[key])) != shape:
-      raise ValueError(
-        f"`{key}` must have the shape of `tokens` {shape}, got {np.shape(batch[key])}."
-      )
+  shape = check_token_shaped(batch, TOKEN_SHAPED_KEYS)
   adv_shape = tuple(np.shape(batch["advantages"]))
   if adv_shape not in (shape, shape[:1]):
     raise ValueError(
@@ -75,6 +65,26 @@ def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_sh
     raise ValueError("`rollout_logp` is required by use_rollout_correction / use_m2po / use_vcpo.")
   if cfg.kl_coef > 0 and "ref_logp" not in batch:
     raise ValueError("`ref_logp` is required when kl_coef > 0 (see compute_logprobs).")
+
+
+def check_token_shaped(batch: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[int, int]:
+  """Checks `tokens` is a non-empty int `[B, S]` and each of `keys` in `batch` has its shape.
+
+  Returns:
+    The shape `(B, S)` of `tokens`.
+  """
+  tokens = batch["tokens"]
+  shape = tuple(np.shape(tokens))
+  dtype = getattr(tokens, "dtype", None) or np.asarray(tokens).dtype
+  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"`tokens` must be an int array [B, S], got {dtype}{list(shape)}.")
+  _placement.check_not_empty(shape, "batch['tokens']")
+  for key in keys:
+    if key in batch and tuple(np.shape(batch[key])) != shape:
+      raise ValueError(
+        f"`{key}` must have the shape of `tokens` {shape}, got {np.shape(batch[key])}."
+      )
+  return shape
 
 
 def check_values(batch: Mapping[str, Any], vocab_size: int) -> None:

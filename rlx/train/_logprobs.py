@@ -7,7 +7,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
@@ -57,17 +56,7 @@ def check_inputs(batch: Mapping[str, Any], parts: int) -> None:
   if not isinstance(batch, Mapping) or "tokens" not in batch or "loss_mask" not in batch:
     keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
     raise ValueError(f"`batch` needs `tokens` and `loss_mask`, got {keys}.")
-  tokens = batch["tokens"]
-  shape = tuple(np.shape(tokens))
-  dtype = getattr(tokens, "dtype", None) or np.asarray(tokens).dtype
-  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"`tokens` must be an int array [B, S], got {dtype}{list(shape)}.")
-  _placement.check_not_empty(shape, "batch['tokens']")
-  for key in _INPUT_KEYS[1:]:
-    if key in batch and tuple(np.shape(batch[key])) != shape:
-      raise ValueError(
-        f"`{key}` must have the shape of `tokens` {shape}, got {np.shape(batch[key])}."
-      )
+  shape = _batch.check_token_shaped(batch, _INPUT_KEYS[1:])
   if shape[0] % parts:
     raise ValueError(
       f"Batch size {shape[0]} must be divisible by micro_batches x data x fsdp = {parts}."
