@@ -23,6 +23,11 @@ scheduler (Kwon et al. 2023, https://arxiv.org/abs/2309.06180):
   on re-admission its KV is recomputed by prefill (no sharing). A sequence
   never changes a token because of this (same per-sample keys, same
   positions; only float rounding of recomputed K/V differs).
+- Resume and early stop (`generate_requests`, the building block of
+  `RolloutEngine`'s partial rollouts): a request may start with a response
+  prefix, admitted like a preempted one (prompt + prefix KV recomputed by
+  prefill); a host condition checked at every scheduling point ends the call,
+  handing back each unfinished request's tokens and log-probs so far.
 - Prefill: chunked, `prefill_chunk` tokens per row per call (a chunk attends
   to the row's earlier pages and causally to itself), rows padded to a power
   of two in [min(8, S), next_pow2(S)]; so prefill compiles at most
