@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from rlx import train
-from rlx.rl import _advantages, _batch, _config
+from rlx.rl import _advantages, _batch, _config, _rollout
 
 REWARD_MODES = ("auto", "jax", "host")
 
@@ -214,8 +214,6 @@ class RLStep:
 
   def from_examples(self, state, ref_params, examples: Sequence[Any], rng):
     """Calls the step on a list of task examples (padding prompts and answers)."""
-    from rlx.rl import _rollout  # noqa: PLC0415
-
     tokens, lengths = _rollout.pad_prompts([e.prompt_ids for e in examples], self.width)
     ids, alen = self.learner.task.answer_arrays(examples)
     return self(state, ref_params, tokens, lengths, ids, alen, rng)

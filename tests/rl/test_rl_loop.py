@@ -27,6 +27,36 @@ def _setup():
   return config, task, mesh, model_config, params, sampler, logprobs, kwargs
 
 
+_STEPS = {}
+
+
+def _config(loss="ppo", baseline="grpo"):
+  """Tiny loop config; G = 5 (or G + 1 = 5 for median): one batch shape for every test."""
+  return rl_test_utils.tiny_config(
+    **{
+      "task.name": TASK,
+      "train.loss": loss,
+      "train.kl_coef": 0.05,
+      "rl.baseline": baseline,
+      "rl.num_samples": 4 if baseline == "median" else 5,
+    }
+  )
+
+
+def _learner(config, task, model_config, mesh, logprobs):
+  """A Learner sharing one compiled train step per loss across tests."""
+  learner = rl.Learner(
+    config,
+    task,
+    model_config,
+    mesh,
+    train_step=_STEPS.get(config.train.loss),
+    compute_logprobs=logprobs,
+  )
+  _STEPS[config.train.loss] = learner.train_step
+  return learner
+
+
 def _state(config, params, model_config, mesh):
   cfg = rl.train_config(config)
   return train.create_train_state(params, model_config, cfg, mesh, rng=jax.random.PRNGKey(1))
@@ -35,22 +65,10 @@ def _state(config, params, model_config, mesh):
 @pytest.mark.parametrize("loss", sorted(objectives.POLICY_LOSSES))
 def test_every_loss_and_baseline_runs_one_iteration(loss):
   config0, task, mesh, model_config, params, sampler, logprobs, kwargs = _setup()
-  step = None
   examples = list(task.split("train")[:2])
   for baseline in rl.BASELINES:
-    # G = 5 (grpo/drgrpo/rloo) and G + 1 = 5 (median): one batch shape, one compile per loss.
-    config = rl_test_utils.tiny_config(
-      **{
-        "task.name": TASK,
-        "train.loss": loss,
-        "rl.baseline": baseline,
-        "rl.num_samples": 4 if baseline == "median" else 5,
-      }
-    )
-    learner = rl.Learner(
-      config, task, model_config, mesh, train_step=step, compute_logprobs=logprobs
-    )
-    step = learner.train_step
+    config = _config(loss, baseline)
+    learner = _learner(config, task, model_config, mesh, logprobs)
     k = learner.group_size
     rollout = rl.SyncRollout(
       sampler,
@@ -59,20 +77,19 @@ def test_every_loss_and_baseline_runs_one_iteration(loss):
       max_new_tokens=kwargs["max_new_tokens"],
     )
     state = _state(config, params, model_config, mesh)
-    state, metrics, batch = learner.iteration(state, None, rollout, examples, jax.random.PRNGKey(2))
+    ref = jax.tree.map(lambda x: x + 0.0, state.params)
+    state, metrics, batch = learner.iteration(state, ref, rollout, examples, jax.random.PRNGKey(2))
     assert k == 5 and batch.num_rows == 10
     assert int(train.to_host(state.step)) == 1
-    for name in ("loss", "reward_mean", "grad_norm", "time/rollout_s", "time/train_s"):
+    for name in ("loss", "kl_loss", "reward_mean", "grad_norm", "time/rollout_s", "time/train_s"):
       assert np.isfinite(metrics[name]), (loss, baseline, name, metrics[name])
     assert metrics["skipped"] == 0
 
 
 def test_rl_step_equals_host_iteration():
   config, task, mesh, model_config, params, sampler, logprobs, kwargs = _setup()
-  config = rl_test_utils.tiny_config(
-    **{"task.name": TASK, "train.kl_coef": 0.05, "rl.num_samples": 5}
-  )
-  learner = rl.Learner(config, task, model_config, mesh, compute_logprobs=logprobs)
+  config = _config()
+  learner = _learner(config, task, model_config, mesh, logprobs)
   examples = list(task.split("train")[:2])
   rng = jax.random.PRNGKey(7)
   ref = jax.tree.map(lambda x: x + 0.0, _state(config, params, model_config, mesh).params)
@@ -99,8 +116,8 @@ def test_rl_step_equals_host_iteration():
 
 def test_rl_step_bad_inputs():
   config, task, mesh, model_config, params, sampler, logprobs, kwargs = _setup()
-  config = rl_test_utils.tiny_config(**{"task.name": TASK, "rl.num_samples": 5})
-  learner = rl.Learner(config, task, model_config, mesh, compute_logprobs=logprobs)
+  config = _config()
+  learner = _learner(config, task, model_config, mesh, logprobs)
   rl_step = rl.make_rl_step(learner, sampler)
   state = _state(config, params, model_config, mesh)
   tokens, lengths = rl.pad_prompts([e.prompt_ids for e in task.split("train")[:2]], rl_step.width)
