@@ -24,7 +24,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rlx.policy._config import ModelConfig
+from rlx.policy._config import ModelConfig, check_model_config
 from rlx.policy._model import Params, check_params, param_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,6 +70,7 @@ def _set(tree: Params, path: tuple[str, ...], value: Any) -> None:
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   """The HF tensor names and `[out, in]` shapes a checkpoint of `config` must contain."""
+  check_model_config(config)
   shapes = param_shapes(config)
   out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": shapes["embed"]["embedding"]}
   for i in range(config.num_layers):
@@ -83,6 +84,13 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   if not config.tie_embeddings:
     out["lm_head.weight"] = shapes["lm_head"]["kernel"][::-1]
   return out
+
+
+def _check_path(path: Any, name: str = "path") -> str:
+  """`os.fspath(path)` for a str / os.PathLike, else a ValueError naming `name`."""
+  if not isinstance(path, str | os.PathLike) or isinstance(path, bytes):
+    raise ValueError(f"`{name}` must be a str or os.PathLike directory, got {path!r}.")
+  return os.fspath(path)
 
 
 def _read_json(file: str) -> Any:
@@ -191,7 +199,10 @@ def load_hf_checkpoint(
       says: each naming the file), or missing / unexpected / mis-shaped
       tensors (all of them named in one message).
   """
-  path = os.fspath(path)
+  path = _check_path(path)
+  if not os.path.isdir(path):
+    what = "is not a directory" if os.path.exists(path) else "does not exist"
+    raise ValueError(f"`path` {path} {what}; expected a checkpoint directory with config.json.")
   config_file = os.path.join(path, "config.json")
   if not os.path.exists(config_file):
     raise ValueError(f"No config.json in checkpoint directory {path}.")
@@ -306,10 +317,17 @@ def save_hf_checkpoint(
     params: parameters matching `config` (checked; mismatches are named).
     max_shard_bytes: largest shard size in bytes before splitting (>= 1).
   """
+  check_model_config(config)
   check_params(params, config)
-  if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+  if (
+    isinstance(max_shard_bytes, bool)
+    or not isinstance(max_shard_bytes, int | np.integer)
+    or max_shard_bytes < 1
+  ):
     raise ValueError(f"`max_shard_bytes` must be a positive int, got {max_shard_bytes!r}.")
-  path = os.fspath(path)
+  path = _check_path(path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"`path` {path} exists and is not a directory.")
   os.makedirs(path, exist_ok=True)
   tensors = _hf_tensors(config, params)
   hf_config = config.to_hf_config()

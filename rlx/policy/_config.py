@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -61,7 +62,12 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_real(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _as_python_int(value: Any) -> Any:
+  """NumPy integers become Python ints (so the config hashes and prints canonically)."""
+  return int(value) if isinstance(value, np.integer) else value
 
 
 def _check_positive_real(value: Any, name: str) -> float:
@@ -113,6 +119,15 @@ class RopeScaling:
       "high_freq_factor": self.high_freq_factor,
       "original_max_position_embeddings": self.original_max_position_embeddings,
     }
+
+
+def check_model_config(config: Any, name: str = "config") -> None:
+  """Raises ValueError unless `config` is a `ModelConfig`."""
+  if not isinstance(config, ModelConfig):
+    raise ValueError(
+      f"`{name}` must be a rlx.policy.ModelConfig (e.g. ModelConfig.from_hf_config), got "
+      f"{type(config).__name__} {config!r:.80}."
+    )
 
 
 def _dtype_name(value: Any, name: str) -> str:
@@ -180,6 +195,23 @@ class ModelConfig:
   remat: bool = False
 
   def __post_init__(self):
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "intermediate_size",
+      "max_position_embeddings",
+      "bos_token_id",
+      "pad_token_id",
+    ):
+      object.__setattr__(self, name, _as_python_int(getattr(self, name)))
+    if isinstance(self.eos_token_id, list | tuple):
+      object.__setattr__(self, "eos_token_id", tuple(_as_python_int(i) for i in self.eos_token_id))
+    else:
+      object.__setattr__(self, "eos_token_id", _as_python_int(self.eos_token_id))
     if self.family not in FAMILIES:
       raise ValueError(f"`family` must be one of {FAMILIES}, got {self.family!r}.")
     for name in (
@@ -215,8 +247,6 @@ class ModelConfig:
     for name in ("attention_bias", "attention_out_bias", "qk_norm", "tie_embeddings", "remat"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
-    if isinstance(self.eos_token_id, list):
-      object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
       value = getattr(self, name)
       ids = value if isinstance(value, tuple) and name == "eos_token_id" else (value,)

@@ -15,22 +15,72 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from rlx.policy._config import ModelConfig
+from rlx.policy._config import ModelConfig, check_model_config
 from rlx.policy._model import LayerParamsFn, Params, check_tokens, forward, lm_head_kernel
 
 DEFAULT_CHUNK_SIZE = 128
 
 
 def _check_temperature(temperature: Any) -> None:
-  if isinstance(temperature, int | float) and not temperature > 0:
-    raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+  """A real scalar (Python/NumPy number or 0-d array, traced allowed); finite and > 0 if known."""
+  if isinstance(temperature, bool | np.bool_) or temperature is None:
+    raise ValueError(f"`temperature` must be a real number > 0, got {temperature!r}.")
+  if not isinstance(temperature, int | float):
+    dtype = getattr(temperature, "dtype", None)
+    real = dtype is not None and (
+      jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    )
+    if not real or not isinstance(temperature, np.ndarray | np.generic | jax.Array):
+      raise ValueError(
+        f"`temperature` must be a real number > 0, got {type(temperature).__name__} "
+        f"{temperature!r}."
+      )
+    if np.ndim(temperature) != 0:
+      raise ValueError(
+        f"`temperature` must be a scalar (rank 0), got shape {np.shape(temperature)}."
+      )
+    if isinstance(temperature, jax.core.Tracer):
+      return  # traced: unknown value
+  value = float(np.asarray(temperature))
+  if not (np.isfinite(value) and value > 0):
+    raise ValueError(f"`temperature` must be finite and > 0, got {value!r}.")
+
+
+def _check_not_empty(tokens: Any) -> None:
+  if 0 in np.shape(tokens):
+    raise ValueError(
+      f"`tokens` must be [B, S] with B >= 1 sequences and S >= 1 positions, got the "
+      f"zero-size shape {np.shape(tokens)}."
+    )
 
 
 def _check_mask(mask: Any, tokens: Any) -> None:
+  if mask is None:
+    raise ValueError("`mask` must be an array with the shape of `tokens`, got None.")
   if np.shape(mask) != np.shape(tokens):
     raise ValueError(
       f"`mask` must have the shape of `tokens` {np.shape(tokens)}, got {np.shape(mask)}."
     )
+  dtype = _dtype(mask)
+  if not (jnp.issubdtype(dtype, jnp.bool_) or _is_real_dtype(dtype)):
+    raise ValueError(f"`mask` must hold bool, int or float values, got dtype {dtype}.")
+
+
+def _dtype(x: Any) -> np.dtype:
+  """The dtype of `x` without moving device data."""
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _is_real_dtype(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+
+
+def _check_chunk_size(chunk_size: Any) -> int:
+  if isinstance(chunk_size, bool | np.bool_) or not isinstance(chunk_size, int | np.integer):
+    raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}.")
+  if chunk_size < 1:
+    raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}.")
+  return int(chunk_size)
 
 
 def _token_stats(
@@ -73,7 +123,8 @@ def logprobs_from_logits(
     logits: [B, S, V] logits (position s predicts token s + 1).
     tokens: i32[B, S] token ids.
     mask: [B, S], nonzero where the value is wanted.
-    temperature: softmax temperature T > 0.
+    temperature: softmax temperature T > 0 (a real scalar; finite and > 0
+      when its value is known, unchecked when traced).
 
   Returns:
     (logp f32[B, S], entropy f32[B, S]).
@@ -83,10 +134,15 @@ def logprobs_from_logits(
       f"`logits` must have shape [B, S, V] with [B, S] = tokens.shape {np.shape(tokens)}, "
       f"got {np.shape(logits)}."
     )
+  if np.shape(logits)[-1] == 0:
+    raise ValueError(f"`logits` must have V >= 1 entries, got shape {np.shape(logits)}.")
   check_tokens(tokens, np.shape(logits)[-1])
+  _check_not_empty(tokens)
   _check_mask(mask, tokens)
   _check_temperature(temperature)
-  logits = logits.astype(jnp.float32) / temperature
+  if not _is_real_dtype(_dtype(logits)):
+    raise ValueError(f"`logits` must hold real numbers, got dtype {_dtype(logits)}.")
+  logits = jnp.asarray(logits).astype(jnp.float32) / temperature
   logp, entropy = _token_stats(logits[:, :-1], jnp.asarray(tokens, jnp.int32)[:, 1:])
   return _shift_and_mask(logp, entropy, mask)
 
@@ -119,8 +175,9 @@ def token_logprobs(
     mask: [B, S], nonzero on the tokens whose values are wanted (response).
     positions: i32[B, S] or None, as in `forward`.
     segment_ids: i32[B, S] or None, as in `forward`.
-    temperature: softmax temperature T > 0 (Python float or traced scalar).
-    chunk_size: positions per LM-head chunk (static int >= 1); S - 1 is padded
+    temperature: softmax temperature T > 0 (Python float or traced scalar;
+      finite and > 0 when its value is known).
+    chunk_size: positions per LM-head chunk (static int >= 1, Python or NumPy); S - 1 is padded
       up to a multiple of it internally.
     layer_params_fn: optional per-layer parameter hook, as in `forward` (e.g.
       the train step's one-layer-at-a-time FSDP all-gather). The LM head uses
@@ -129,11 +186,12 @@ def token_logprobs(
   Returns:
     (logp f32[B, S], entropy f32[B, S]).
   """
+  check_model_config(config)
   check_tokens(tokens, config.vocab_size)
+  _check_not_empty(tokens)
   _check_mask(mask, tokens)
   _check_temperature(temperature)
-  if not isinstance(chunk_size, int) or chunk_size < 1:
-    raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}.")
+  chunk_size = _check_chunk_size(chunk_size)
   tokens = jnp.asarray(tokens, jnp.int32)
   b, s = tokens.shape
   hidden = forward(

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from rlx.policy._config import ModelConfig
+from rlx.policy._config import ModelConfig, check_model_config
 from rlx.policy._model import Params, _is_shape, param_shapes
 
 FSDP = "fsdp"
@@ -67,6 +67,7 @@ def partition_rules(config: ModelConfig, mesh: Mesh) -> Params:
   Returns:
     A pytree with the structure of the params and `PartitionSpec` leaves.
   """
+  check_model_config(config)
   if not isinstance(mesh, Mesh):
     raise ValueError(f"`mesh` must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
   tensor_size = _axis_size(mesh, TENSOR)

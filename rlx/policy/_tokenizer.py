@@ -33,7 +33,39 @@ def _token_content(value: Any) -> str | None:
   return str(value)
 
 
+def _token_ids(ids: Any, name: str) -> list[int]:
+  """`ids` (a 1-D sequence or array of integers) as a list of Python ints.
+
+  Floats, bools, strings and nested sequences are a ValueError naming `name`:
+  `int(1.5)` would silently truncate.
+  """
+  if isinstance(ids, str | bytes | Mapping) or not hasattr(ids, "__len__"):
+    raise ValueError(f"`{name}` must be a 1-D sequence of int token ids, got {ids!r:.80}.")
+  array = np.asarray(ids) if not isinstance(ids, list | tuple) else None
+  if array is not None:
+    if array.ndim != 1:
+      raise ValueError(f"`{name}` must be 1-D token ids, got an array of shape {array.shape}.")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+      raise ValueError(f"`{name}` must hold int token ids, got dtype {array.dtype}.")
+    return [int(i) for i in array]
+  out = []
+  for k, i in enumerate(ids):
+    if isinstance(i, bool | np.bool_) or not isinstance(i, int | np.integer):
+      raise ValueError(f"`{name}` must hold int token ids, got {i!r:.40} at index {k}.")
+    out.append(int(i))
+  return out
+
+
 def _pad(sequences: Sequence[Sequence[int]], pad_id: int, length: int | None):
+  if isinstance(sequences, str | bytes) or not isinstance(sequences, Sequence | np.ndarray):
+    raise ValueError(f"`sequences` must be a list of token-id lists, got {sequences!r:.80}.")
+  if len(sequences) == 0:
+    raise ValueError("`sequences` must hold at least one sequence (B >= 1), got none.")
+  if length is not None and (
+    isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 0
+  ):
+    raise ValueError(f"`length` must be None or an int >= 0, got {length!r}.")
+  sequences = [_token_ids(s, f"sequences[{i}]") for i, s in enumerate(sequences)]
   lengths = [len(s) for s in sequences]
   longest = max(lengths, default=0)
   if length is None:
@@ -72,14 +104,23 @@ class _Base(abc.ABC):
     """`[encode(t) for t in texts]`."""
     if isinstance(texts, str):
       raise ValueError("`texts` must be a sequence of strings, got a single str.")
+    if not isinstance(texts, Sequence):
+      raise ValueError(f"`texts` must be a sequence of strings, got {type(texts).__name__}.")
     return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
   def decode_batch(
     self, batch: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
   ) -> list[str]:
     """`[decode(ids) for ids in batch]` (rows of an array are accepted)."""
+    flat = hasattr(batch, "__len__") and len(batch) and np.isscalar(batch[0])
+    if isinstance(batch, str | bytes) or not hasattr(batch, "__len__") or flat:
+      raise ValueError(
+        "`batch` must be a sequence of token-id sequences (use `decode` for one), got "
+        f"{batch!r:.80}."
+      )
     return [
-      self.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens) for ids in batch
+      self.decode(_token_ids(ids, f"batch[{i}]"), skip_special_tokens=skip_special_tokens)
+      for i, ids in enumerate(batch)
     ]
 
   def pad(
@@ -96,6 +137,18 @@ class _Base(abc.ABC):
       (ids i32[B, L], mask i32[B, L]) with mask 1 on real tokens.
     """
     return _pad(sequences, self.pad_id, length)
+
+
+def _check_messages(messages: Any) -> list[Mapping[str, Any]]:
+  """`messages` as a list of dicts with a str "role" each, else a ValueError naming it."""
+  if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
+    raise ValueError(
+      f"`messages` must be a list of {{'role': ..., 'content': ...}} dicts, got {messages!r:.80}."
+    )
+  for i, m in enumerate(messages):
+    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+      raise ValueError(f"`messages[{i}]` must be a dict with a str 'role', got {m!r:.80}.")
+  return list(messages)
 
 
 def _render_chat_template(template: str, messages: Any, **context: Any) -> str:
@@ -133,6 +186,8 @@ class Tokenizer(_Base):
   """
 
   def __init__(self, path: str | os.PathLike):
+    if not isinstance(path, str | os.PathLike):
+      raise ValueError(f"`path` must be a str or os.PathLike, got {path!r}.")
     path = os.fspath(path)
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
@@ -190,10 +245,10 @@ class Tokenizer(_Base):
 
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     """Text of `ids`; ids outside the vocabulary are an error."""
-    ids = [int(i) for i in ids]
+    ids = _token_ids(ids, "ids")
     bad = [i for i in ids if not 0 <= i < self.vocab_size]
     if bad:
-      raise ValueError(f"token ids {bad[:8]} are outside [0, {self.vocab_size}).")
+      raise ValueError(f"`ids` holds token ids {bad[:8]} outside [0, {self.vocab_size}).")
     return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
   @property
@@ -221,7 +276,7 @@ class Tokenizer(_Base):
       add_generation_prompt=add_generation_prompt,
     )
     context.update(kwargs)
-    return _render_chat_template(self.chat_template, list(messages), **context)
+    return _render_chat_template(self.chat_template, _check_messages(messages), **context)
 
 
 class CharTokenizer(_Base):
@@ -257,17 +312,16 @@ class CharTokenizer(_Base):
       raise ValueError(f"`text` must be a str, got {type(text).__name__}.")
     unknown = sorted({c for c in text if c not in self._ids})
     if unknown:
-      raise ValueError(f"characters {unknown} are not in the alphabet {self.alphabet!r}.")
+      raise ValueError(f"`text` has characters {unknown} not in the alphabet {self.alphabet!r}.")
     ids = [self._ids[c] for c in text]
     return [self.bos_id, *ids] if add_special_tokens else ids
 
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     """Text of `ids`; special tokens are dropped or rendered as `<pad>`/`<bos>`/`<eos>`."""
     out = []
-    for i in ids:
-      i = int(i)
+    for i in _token_ids(ids, "ids"):
       if not 0 <= i < self.vocab_size:
-        raise ValueError(f"token id {i} is outside [0, {self.vocab_size}).")
+        raise ValueError(f"`ids` holds token id {i}, outside [0, {self.vocab_size}).")
       if i < len(self._specials):
         if not skip_special_tokens:
           out.append(self._specials[i])
@@ -288,5 +342,9 @@ class CharTokenizer(_Base):
   ) -> str:
     """`"".join(f"{role}: {content}\\n")` plus `"assistant: "` as generation prompt."""
     del kwargs
+    messages = _check_messages(messages)
+    for i, m in enumerate(messages):
+      if not isinstance(m.get("content"), str):
+        raise ValueError(f"`messages[{i}]['content']` must be a str, got {m.get('content')!r:.80}.")
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant: " if add_generation_prompt else "")

@@ -355,3 +355,31 @@ def test_untied_config_without_head_names_the_tie_flag(saved, tmp_path):
   save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
   with pytest.raises(ValueError, match="missing tensors: lm_head.weight .*tie_word_embeddings"):
     policy.load_hf_checkpoint(d)
+
+
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
+  config = ModelConfig.small("qwen2", vocab_size=np.int64(128), rope_theta=np.float32(1e4))
+  assert config == ModelConfig.small("qwen2") and type(config.vocab_size) is int
+  assert hash(config) == hash(ModelConfig.small("qwen2"))
+  with pytest.raises(ValueError, match="`vocab_size` must be a positive int"):
+    ModelConfig.small("qwen2", vocab_size=np.float32(128))
+
+
+def test_checkpoint_paths_are_checked(saved, tmp_path):
+  _, single, _ = saved
+  config, params = policy.load_hf_checkpoint(single)
+  for bad in (None, 3, b"dir"):
+    with pytest.raises(ValueError, match="`path` must be a str or os.PathLike"):
+      policy.load_hf_checkpoint(bad)
+    with pytest.raises(ValueError, match="`path` must be a str or os.PathLike"):
+      policy.save_hf_checkpoint(bad, config, params)
+  with pytest.raises(ValueError, match="`path` .*nope does not exist"):
+    policy.load_hf_checkpoint(tmp_path / "nope")
+  with pytest.raises(ValueError, match="`path` .*config.json is not a directory"):
+    policy.load_hf_checkpoint(single / "config.json")
+  with pytest.raises(ValueError, match="`path` .*config.json exists and is not a directory"):
+    policy.save_hf_checkpoint(single / "config.json", config, params)
+  with pytest.raises(ValueError, match="`config` must be a rlx.policy.ModelConfig"):
+    policy.save_hf_checkpoint(tmp_path / "out", "qwen2", params)
+  with pytest.raises(ValueError, match="`max_shard_bytes` must be a positive int"):
+    policy.save_hf_checkpoint(tmp_path / "out", config, params, max_shard_bytes="1GB")

@@ -221,3 +221,61 @@ def test_layer_params_fn_errors(model):
         layer, attn=dict(layer["attn"], q_proj={"kernel": layer["attn"]["q_proj"]["kernel"][:2]})
       )
     )
+
+
+@pytest.mark.parametrize("fn", ["token_logprobs", "logprobs_from_logits"])
+def test_bad_input_names_the_argument(model, fn):
+  config, params = model
+  tokens, mask = _batch(s=5)
+  logits = jnp.zeros((3, 5, 97))
+
+  def call(tokens=tokens, mask=mask, **kw):
+    if fn == "token_logprobs":
+      return policy.token_logprobs(params, config, tokens, mask, **kw)
+    return policy.logprobs_from_logits(
+      logits[: tokens.shape[0], : tokens.shape[1]], tokens, mask, **kw
+    )
+
+  # Temperature: a real scalar, finite and > 0 when known (0 gave NaN, -1 flipped the
+  # distribution, inf made it uniform, a vector broadcast over the vocabulary).
+  for bad in ("1.0", None, True, 0.5 + 0j):
+    with pytest.raises(ValueError, match="`temperature` must be a real number"):
+      call(temperature=bad)
+  for bad in (np.float32(0.0), jnp.float32(-1.0), np.inf, np.nan):
+    with pytest.raises(ValueError, match="`temperature` must be finite and > 0"):
+      call(temperature=bad)
+  with pytest.raises(ValueError, match=r"`temperature` must be a scalar \(rank 0\)"):
+    call(temperature=jnp.ones(3))
+  # Masks of another dtype or missing; zero-size batches.
+  with pytest.raises(ValueError, match="`mask` must hold bool, int or float"):
+    call(mask=np.full(tokens.shape, "a"))
+  with pytest.raises(ValueError, match="`mask` must be an array .* got None"):
+    call(mask=None)
+  for shape in [(0, 5), (2, 0)]:
+    with pytest.raises(ValueError, match=r"`tokens` must be \[B, S\] with B >= 1 .*zero-size"):
+      call(tokens=jnp.zeros(shape, jnp.int32), mask=jnp.zeros(shape))
+  # NumPy temperatures are fine (the full model pass is covered by the tests above).
+  if fn == "logprobs_from_logits":
+    want = call(temperature=0.7)[0]
+    np.testing.assert_allclose(call(temperature=np.float32(0.7))[0], want, rtol=1e-6)
+
+
+def test_chunk_size_and_config_types(model):
+  config, params = model
+  tokens, mask = _batch(s=5)
+  want = policy.token_logprobs(params, config, tokens, mask, chunk_size=2)[0]
+  got = policy.token_logprobs(params, config, tokens, mask, chunk_size=np.int64(2))[0]
+  np.testing.assert_array_equal(got, want)
+  for bad in (True, 2.0, "2"):
+    with pytest.raises(ValueError, match="`chunk_size` must be a positive int"):
+      policy.token_logprobs(params, config, tokens, mask, chunk_size=bad)
+  with pytest.raises(ValueError, match="`config` must be a rlx.policy.ModelConfig"):
+    policy.token_logprobs(params, "qwen3", tokens, mask)
+  # Logits as a nested list or ints are read as numbers; strings are refused.
+  logits = np.asarray(jax.random.normal(jax.random.key(1), (3, 5, 97)))
+  ref = policy.logprobs_from_logits(logits, tokens, mask)[0]
+  np.testing.assert_allclose(policy.logprobs_from_logits(logits.tolist(), tokens, mask)[0], ref)
+  with pytest.raises(ValueError, match="`logits` must hold real numbers"):
+    policy.logprobs_from_logits(np.full((3, 5, 97), "a"), tokens, mask)
+  with pytest.raises(ValueError, match="`logits` must have V >= 1"):
+    policy.logprobs_from_logits(jnp.zeros((3, 5, 0)), tokens * 0, mask)

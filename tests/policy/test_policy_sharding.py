@@ -86,3 +86,11 @@ def test_load_checkpoint_directly_into_shardings(params, tmp_path):
     np.asarray(loaded["layers"]["attn"]["q_proj"]["kernel"]),
     np.asarray(params["layers"]["attn"]["q_proj"]["kernel"]),
   )
+
+
+def test_config_must_be_a_model_config():
+  mesh = _mesh(1, 1, 1)
+  with pytest.raises(ValueError, match="`config` must be a rlx.policy.ModelConfig"):
+    policy.partition_rules("qwen2", mesh)
+  with pytest.raises(ValueError, match="`config` must be a rlx.policy.ModelConfig"):
+    policy.hf_tensor_shapes({"model_type": "qwen2"})

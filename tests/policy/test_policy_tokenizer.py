@@ -113,3 +113,47 @@ def test_pad_is_right_padding_and_never_truncates(kind, tokenizer_dir):
   assert tok.pad(seqs, length=8)[0].shape == (2, 8)
   with pytest.raises(ValueError, match="truncated"):
     tok.pad(seqs, length=len(seqs[0]) - 1)
+
+
+@pytest.mark.parametrize("kind", ["char", "hf"])
+def test_bad_ids_and_batches_name_the_argument(kind, tokenizer_dir):
+  tok = policy.CharTokenizer("0123456789+=") if kind == "char" else policy.Tokenizer(tokenizer_dir)
+  ids = tok.encode("12")
+  assert tok.decode(np.asarray(ids)) == tok.decode(ids) == "12"  # arrays of ints are fine
+  # int(4.5) would silently truncate; a nested list, a string or a bool is a mistake.
+  for bad, match in [
+    ([4.5], "`ids` must hold int token ids, got 4.5 at index 0"),
+    ([True], "`ids` must hold int token ids"),
+    ("12", "`ids` must be a 1-D sequence"),
+    (np.array([[4, 5]]), r"`ids` must be 1-D token ids, got an array of shape \(1, 2\)"),
+    (np.array([4.0]), "`ids` must hold int token ids, got dtype float"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      tok.decode(bad)
+  with pytest.raises(ValueError, match="`batch` must be a sequence of token-id sequences"):
+    tok.decode_batch(ids)
+  assert tok.decode_batch(np.asarray([ids, ids])) == ["12", "12"]
+  # pad: at least one sequence, int ids, an int length.
+  for bad, match in [
+    ([], r"`sequences` must hold at least one sequence \(B >= 1\)"),
+    ("12", "`sequences` must be a list of token-id lists"),
+    ([[4, [5]]], r"`sequences\[0\]` must hold int token ids"),
+    ([[4.5]], r"`sequences\[0\]` must hold int token ids"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      tok.pad(bad)
+  for length in (-1, 2.0, True):
+    with pytest.raises(ValueError, match="`length` must be None or an int >= 0"):
+      tok.pad([ids], length=length)
+  with pytest.raises(ValueError, match="`texts` must be a sequence of strings"):
+    tok.encode_batch(123)
+  # Chat messages: a list of dicts with a str role.
+  for bad, match in [
+    ("hi", "`messages` must be a list of"),
+    ({"role": "user", "content": "hi"}, "`messages` must be a list of"),
+    (["hi"], r"`messages\[0\]` must be a dict with a str 'role'"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      tok.apply_chat_template(bad)
+  with pytest.raises(ValueError, match="`path` must be a str or os.PathLike"):
+    policy.Tokenizer(None)
