@@ -293,6 +293,9 @@ class RolloutEngine:
     resumed = len(self._buffer)
     fresh = self._fresh(source, self.launch_groups - resumed)
     groups = self._buffer + fresh
+    # Pulled prompts are buffered at once: a collection interrupted in the sampler
+    # (members are only updated after it returns) loses nothing.
+    self._buffer = list(groups)
     complete0 = sum(g.complete for g in groups)
     rows = [(gi, j) for gi, grp in enumerate(groups) for j in range(self.num_samples)
             if grp.finish[j] == _RUNNING]  # fmt: skip

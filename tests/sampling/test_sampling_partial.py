@@ -266,3 +266,18 @@ def test_over_provision_one_is_synchronous(params):
     assert engine.buffered_groups == 0 and out.stats["off_policy_token_fraction"] == 0
     assert out.keys.tolist() == list(range(3 * v, 3 * v + 3))
     assert (out.versions[out.versions >= 0] == v).all()
+
+
+def test_interrupted_collect_keeps_the_pulled_prompts(params, monkeypatch):
+  sampler = sampling.Sampler(MODEL, CFG)
+  engine = RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=1.5)
+  source = _Source()
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(sampler, "generate_requests", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    engine.collect(params, source, jax.random.key(0), policy_version=0)
+  assert engine.buffer_keys() == source.pulled == [0, 1, 2]
+  assert int(engine.state_dict()["count"]) == 3
