@@ -6,6 +6,9 @@ max_new_tokens, so over-provisioned collections stop early and recycle groups.
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -281,3 +284,38 @@ def test_interrupted_collect_keeps_the_pulled_prompts(params, monkeypatch):
     engine.collect(params, source, jax.random.key(0), policy_version=0)
   assert engine.buffer_keys() == source.pulled == [0, 1, 2]
   assert int(engine.state_dict()["count"]) == 3
+
+
+def test_bench_partial_rollout_runs(tmp_path):
+  """experiments/bench_partial_rollout.py end to end on a shrunken setting."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = tmp_path / "table.md"
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(root, "experiments", "bench_partial_rollout.py"),
+      "--target_groups=2",
+      "--group=2",
+      "--slots=4",
+      "--max_new_tokens=8",
+      "--vocab=64",
+      "--stop_ids=8",
+      "--rounds=1",
+      "--warmup=1",
+      "--prefill_chunk=16",
+      f"--out={out}",
+    ],
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line for line in out.read_text().splitlines() if line.startswith("| 16 |")]
+  names = [r.split("|")[2].strip() for r in rows]
+  assert names == [
+    "synchronous (static batching)",
+    "continuous batching",
+    "partial rollout 1.5x",
+    "partial rollout 2x",
+  ]
