@@ -133,7 +133,9 @@ def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype) -> jax.Array
     float32 `[num_kv_heads]` (ones when `scale` is None for bf16/f32 pools).
 
   Raises:
-    ValueError: missing scale for FP8 pages, wrong shape, or a non-float dtype.
+    ValueError: missing scale for FP8 pages, wrong shape, a non-float dtype,
+      or a concrete value that is not finite and > 0 (traced scales are not
+      checked).
   """
   if scale is None:
     if is_fp8(page_dtype):
@@ -151,5 +153,12 @@ def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype) -> jax.Array
       f"got shape {tuple(np.shape(scale))}."
     )
   check_float_array(scale, name)
+  if is_concrete(scale):
+    values = np.asarray(scale, np.float32).reshape(-1)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+      raise ValueError(
+        f"`{name}` must be finite and > 0 (a dequantization scale), got {values.tolist()}."
+      )
   scale = jnp.asarray(scale)
   return jnp.broadcast_to(scale.astype(jnp.float32).reshape(-1), (num_kv_heads,))

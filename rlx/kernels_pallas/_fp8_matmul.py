@@ -227,7 +227,7 @@ def validate_fp8_matmul_inputs(x_q, x_scale, w_q, w_scale):
 def _check_out_dtype(out_dtype):
   try:
     dtype = jnp.dtype(out_dtype)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise ValueError(f"`out_dtype` must be a float dtype, got {out_dtype!r}.") from e
   if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
     raise ValueError(f"`out_dtype` must be a float dtype (e.g. bfloat16, float32), got {dtype}.")
@@ -295,13 +295,19 @@ def fp8_blockwise_matmul(
   _check_out_dtype(out_dtype)
   if (
     isinstance(block_m, bool)
-    or not isinstance(block_m, int)
+    or not isinstance(block_m, int | np.integer)
     or block_m < 16
     or (block_m & (block_m - 1))
   ):
     raise ValueError(f"`block_m` must be a power of two >= 16, got {block_m!r}.")
-  if isinstance(block_k, bool) or not isinstance(block_k, int) or block_k <= 0 or block_k % BLOCK:
+  if (
+    isinstance(block_k, bool)
+    or not isinstance(block_k, int | np.integer)
+    or block_k <= 0
+    or block_k % BLOCK
+  ):
     raise ValueError(f"`block_k` must be a positive multiple of {BLOCK}, got {block_k!r}.")
+  block_m, block_k = int(block_m), int(block_k)
   platform = arrays_platform(x_q, x_scale, w_q, w_scale)
   impl = resolve_impl(impl, interpret, platform)
   return _fp8_matmul_jit(

@@ -26,14 +26,22 @@ AMAX_FLOOR = 1e-10
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+def as_dtype(dtype, name: str = "dtype") -> jnp.dtype:
+  """`jnp.dtype(dtype)`, or a ValueError naming `name` for something that is no dtype."""
+  try:
+    return jnp.dtype(dtype)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"`{name}` must be a dtype, got {dtype!r}.") from e
+
+
 def is_fp8(dtype) -> bool:
   """True for the two FP8 formats rlx supports (float8_e4m3fn, float8_e5m2)."""
-  return jnp.dtype(dtype) in FP8_DTYPES
+  return as_dtype(dtype) in FP8_DTYPES
 
 
 def fp8_max(dtype) -> float:
   """Largest finite value of an FP8 dtype (448.0 for e4m3fn, 57344.0 for e5m2)."""
-  dtype = jnp.dtype(dtype)
+  dtype = as_dtype(dtype)
   if not is_fp8(dtype):
     raise ValueError(f"`dtype` must be float8_e4m3fn or float8_e5m2, got {dtype}.")
   return float(jnp.finfo(dtype).max)
@@ -44,7 +52,8 @@ def saturating_cast(x: Array, dtype) -> Array:
 
   For non-FP8 `dtype` this is a plain `astype`. NaN stays NaN.
   """
-  dtype = jnp.dtype(dtype)
+  dtype = as_dtype(dtype)
+  x = jnp.asarray(x)
   if is_fp8(dtype):
     fmax = fp8_max(dtype)
     x = jnp.clip(x.astype(jnp.float32), -fmax, fmax)
@@ -52,7 +61,7 @@ def saturating_cast(x: Array, dtype) -> Array:
 
 
 def _check_fp8_dtype(dtype) -> jnp.dtype:
-  dtype = jnp.dtype(dtype)
+  dtype = as_dtype(dtype)
   if not is_fp8(dtype):
     raise ValueError(f"`dtype` must be float8_e4m3fn or float8_e5m2, got {dtype}.")
   return dtype
@@ -62,6 +71,18 @@ def _check_block(block, name: str) -> int:
   if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block <= 0:
     raise ValueError(f"`{name}` must be a positive int, got {block!r}.")
   return int(block)
+
+
+def _check_matrix(x, name: str, dims: str) -> None:
+  """Checks that `x` is a non-empty rank-2 array of a real (float or int) dtype."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"`{name}` must be an array, got {type(x).__name__}.")
+  if np.ndim(x) != 2:
+    raise ValueError(f"`{name}` must have rank 2 {dims}, got shape {tuple(np.shape(x))}.")
+  if 0 in x.shape:
+    raise ValueError(f"`{name}` must be a non-empty {dims} matrix, got shape {tuple(x.shape)}.")
+  if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+    raise ValueError(f"`{name}` must hold real numbers, got dtype {x.dtype}.")
 
 
 def _check_matrix_and_block_pair(x, name: str, block) -> tuple[int, int]:
@@ -87,8 +108,9 @@ def quantize_fp8_blockwise(
 
   For block (i, j) covering rows [i*bk, (i+1)*bk) and columns [j*bn, (j+1)*bn):
   `s_ij = max(amax|w_block|, 1e-10) / fmax`, `w_q = clip(w / s_ij, -fmax, fmax)`
-  cast to `dtype`. Reference: DeepSeek-V3 technical report
-  (https://arxiv.org/abs/2412.19437),
+  cast to `dtype`. A block holding inf or NaN gets a non-finite scale, so its
+  whole dequantized block is NaN: never clamped into plausible finite numbers.
+  Reference: DeepSeek-V3 technical report (https://arxiv.org/abs/2412.19437),
   Sec. 3.3 "fine-grained quantization" (128x128 weight blocks).
 
   Args:
@@ -102,6 +124,7 @@ def quantize_fp8_blockwise(
     `[ceil(K/bk), ceil(N/bn)]`, so that `w ~= w_q * w_scale` repeated per block.
   """
   dtype = _check_fp8_dtype(dtype)
+  _check_matrix(w, "w", "[K, N]")
   bk, bn = _check_matrix_and_block_pair(w, "w", block)
   k, n = w.shape
   kb, nb = -(-k // bk), -(-n // bn)
@@ -120,7 +143,8 @@ def quantize_fp8_per_token_group(
   """Dynamically quantizes activations to FP8 with one scale per token and K-group.
 
   For row m and group g covering columns [g*group, (g+1)*group):
-  `s_mg = max(amax|x[m, group g]|, 1e-10) / fmax`, `x_q = clip(x / s_mg, +-fmax)`.
+  `s_mg = max(amax|x[m, group g]|, 1e-10) / fmax`, `x_q = clip(x / s_mg, +-fmax)`
+  (a group holding inf or NaN dequantizes to NaN, as in `quantize_fp8_blockwise`).
   Reference: DeepSeek-V3 (https://arxiv.org/abs/2412.19437) Sec. 3.3, 1x128
   activation tiles.
 
@@ -133,8 +157,7 @@ def quantize_fp8_per_token_group(
     `(x_q, x_scale)`: `x_q` `[M, K]` in `dtype`, `x_scale` float32 `[M, ceil(K/group)]`.
   """
   dtype = _check_fp8_dtype(dtype)
-  if np.ndim(x) != 2:
-    raise ValueError(f"`x` must have rank 2 [M, K], got shape {tuple(np.shape(x))}.")
+  _check_matrix(x, "x", "[M, K]")
   group = _check_block(group, "group")
   m, k = x.shape
   kg = -(-k // group)
@@ -160,6 +183,7 @@ def dequantize_fp8_blockwise(
     float32 `[K, N]`.
   """
   bk, bn = _check_matrix_and_block_pair(w_q, "w_q", block)
+  w_scale = jnp.asarray(w_scale)
   k, n = w_q.shape
   want = (-(-k // bk), -(-n // bn))
   if tuple(np.shape(w_scale)) != want:

@@ -85,6 +85,18 @@ class PagedAttentionBlockSizes:
   pages_per_split: int | None = None
   min_block_h: int = 16
 
+  def __post_init__(self):
+    for name in ("pages_per_compute_block", "pages_per_split", "min_block_h"):
+      value = getattr(self, name)
+      if value is None and name != "min_block_h":
+        continue
+      if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(
+          f"`{name}` must be a positive int{' or None' if name != 'min_block_h' else ''}, "
+          f"got {value!r}."
+        )
+      object.__setattr__(self, name, int(value))
+
 
 # ------------------------------------------------------------------------------------------
 # GPU kernel (Pallas Triton backend)
@@ -300,6 +312,12 @@ def validate_paged_attention_inputs(
       raise ValueError(f"`{name}` must have rank {rank}, got shape {tuple(x.shape)}.")
   batch, num_heads, head_dim = q.shape
   num_kv_heads, total_pages, page_size, head_dim_k = k_pages.shape
+  if 0 in q.shape:
+    raise ValueError(
+      f"`q` must be [B, H, D] with B, H, D >= 1, got the zero-size shape {tuple(q.shape)}."
+    )
+  if num_kv_heads == 0:
+    raise ValueError(f"`k_pages` must have Hkv >= 1 KV heads, got shape {tuple(k_pages.shape)}.")
   if v_pages.shape != k_pages.shape:
     raise ValueError(
       f"`v_pages` must have the shape of `k_pages` {tuple(k_pages.shape)}, got "
@@ -503,6 +521,10 @@ def paged_attention(
   sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
     q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
   )
+  if not isinstance(block_sizes, PagedAttentionBlockSizes):
+    raise ValueError(
+      f"`block_sizes` must be a PagedAttentionBlockSizes, got {type(block_sizes).__name__}."
+    )
   platform = arrays_platform(q, k_pages, v_pages, lengths, page_table)
   impl = resolve_impl(impl, interpret, platform)
   return _paged_attention_jit(

@@ -238,3 +238,36 @@ def test_hardware_matmul_matches_reference():
   got = fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=jnp.float32)  # auto: Pallas
   want = fp8_blockwise_matmul_reference(xq, xs, wq, ws)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-3)
+
+
+def test_quantizer_and_cast_inputs_name_the_argument():
+  # Zero-size, non-array, non-real inputs and non-dtypes each name their argument.
+  for call, match in [
+    (lambda: quantize_fp8_blockwise(jnp.ones((0, 4))), r"`w` must be a non-empty \[K, N\]"),
+    (lambda: quantize_fp8_per_token_group(jnp.ones((4, 0))), r"`x` must be a non-empty \[M, K\]"),
+    (lambda: quantize_fp8_blockwise([[1.0, 2.0]]), "`w` must be an array, got list"),
+    (lambda: quantize_fp8_blockwise(np.full((2, 2), "a")), "`w` must hold real numbers"),
+    (
+      lambda: quantize_fp8_per_token_group(jnp.ones((2, 2), jnp.complex64)),
+      "`x` must hold real numbers",
+    ),
+    (lambda: quantize_fp8_blockwise(jnp.ones((2, 2)), dtype="foo"), "`dtype` must be a dtype"),
+    (lambda: fp8_max("foo"), "`dtype` must be a dtype"),
+    (lambda: saturating_cast(jnp.ones(2), "foo"), "`dtype` must be a dtype"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      call()
+  # Integer weights, lists for casts and scales, and NumPy block sizes are fine.
+  _, ws = quantize_fp8_blockwise(jnp.ones((4, 4), jnp.int32), block=(np.int64(2), 2))
+  np.testing.assert_allclose(ws, np.full((2, 2), 1 / 448.0), rtol=1e-6)
+  got = saturating_cast([1e6, -2.0], E4M3).astype(jnp.float32)
+  np.testing.assert_array_equal(got, [448.0, -2.0])
+  wq, ws = quantize_fp8_blockwise(jnp.ones((4, 4)), block=(2, 2))
+  np.testing.assert_array_equal(dequantize_fp8_blockwise(wq, np.asarray(ws).tolist(), (2, 2)), 1.0)
+  _, _, *q = _quantized(8, 128, 128)
+  want = fp8_blockwise_matmul(*q, out_dtype=jnp.float32)
+  np.testing.assert_array_equal(
+    fp8_blockwise_matmul(*q, out_dtype=jnp.float32, block_m=np.int64(32)), want
+  )
+  with pytest.raises(ValueError, match="`out_dtype` must be a float dtype"):
+    fp8_blockwise_matmul(*q, out_dtype="foo")

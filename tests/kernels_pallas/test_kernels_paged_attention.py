@@ -376,3 +376,42 @@ def test_default_platform_follows_default_device():
   assert _common.default_platform() == jax.default_backend()
   with jax.default_device(jax.devices("cpu")[0]):
     assert _common.default_platform() == "cpu"
+
+
+def test_bad_inputs_name_the_argument():
+  q, k, v, lengths, table, _, _ = make_inputs("float32", 1, 16, 64)
+  for call, match in [
+    # Zero-size batch, heads or head dim (was an empty result or a ZeroDivisionError).
+    (lambda: paged_attention(q[:0], k, v, lengths[:0], table[:0]), r"`q` must be \[B, H, D\]"),
+    (lambda: paged_attention(q[:, :0], k, v, lengths, table), r"`q` must be \[B, H, D\]"),
+    (
+      lambda: paged_attention(q[..., :0], k[..., :0], v[..., :0], lengths, table),
+      r"`q` must be \[B, H, D\]",
+    ),
+    (lambda: paged_attention(q, k[:0], v[:0], lengths, table), "`k_pages` must have Hkv >= 1"),
+    # Tiling must be a PagedAttentionBlockSizes of positive ints.
+    (
+      lambda: paged_attention(q, k, v, lengths, table, block_sizes={"pages_per_split": 1}),
+      "`block_sizes` must be a PagedAttentionBlockSizes",
+    ),
+    (
+      lambda: PagedAttentionBlockSizes(pages_per_compute_block=0),
+      "`pages_per_compute_block` must be a positive int or None",
+    ),
+    (lambda: PagedAttentionBlockSizes(min_block_h=None), "`min_block_h` must be a positive int"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      call()
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_dequantization_scales_must_be_finite_and_positive(name):
+  q, k, v, lengths, table, k_scale, v_scale = make_inputs("float8_e4m3fn", 1, 16, 64)
+  scales = {"k_scale": k_scale, "v_scale": v_scale}
+  # 0 zeroes the keys (uniform attention), a negative flips them, NaN / inf give NaN.
+  for bad in (0.0, -1.0, np.nan, np.inf, jnp.array([1.0, 0.0])):
+    with pytest.raises(ValueError, match=f"`{name}` must be finite and > 0"):
+      paged_attention(q, k, v, lengths, table, **{**scales, name: bad})
+  # Traced scales are not checked (values change without recompiling).
+  f = jax.jit(lambda s: paged_attention(q, k, v, lengths, table, **{**scales, name: s}))
+  np.testing.assert_array_equal(f(scales[name]), paged_attention(q, k, v, lengths, table, **scales))
