@@ -196,9 +196,13 @@ def check_choice(value: Any, choices: Iterable[str], name: str) -> None:
 
 def is_concrete(x: Any) -> bool:
   """True when the value of `x` is known now: Python/NumPy numbers and arrays, and
-  `jax.Array`s that are not tracers (under `jit`/`grad` a traced value is not)."""
+  `jax.Array`s that are not tracers (under `jit`/`grad` a traced value is not) and
+  whose shards this process holds. Reading a concrete device array syncs with
+  the device, so value checks cost a transfer in eager calls only."""
   if isinstance(x, jax.core.Tracer):
     return False
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return False  # a multi-process global array: this process cannot read all of it
   return isinstance(x, int | float | np.number | np.ndarray | jax.Array)
 
 
