@@ -3,6 +3,11 @@
 Every function here is pure: data arrays are positional, hyper-parameters are
 keyword-only, and nothing calls a model. Per-token arrays are `[B, T]`
 (sequences x tokens), right-padded, with `mask` marking the tokens that count.
+Masks hold 0/1 or bool values, hyper-parameters are real scalars (Python,
+NumPy or 0-d arrays) and flags are bools; every function checks this and the
+ranges of its hyper-parameters whenever the values are known (eager calls),
+raising a ValueError that names the argument. Under `jit` traced values pass:
+a traced mask is read as `mask != 0`.
 """
 
 from rlx.objectives._advantages import (
