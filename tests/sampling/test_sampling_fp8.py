@@ -73,7 +73,7 @@ _token_logprobs = jax.jit(policy.token_logprobs, static_argnums=1)
 
 
 def test_fp8_leaf_carries_scales_and_refuses_dense_use(params):
-  q = policy.quantize_linears(params)
+  q = sampling.quantize_params(params, FP8)  # jitted (compile shared with the other tests)
   for group, name in LINEARS:
     kernel = q["layers"][group][name]["kernel"]
     assert isinstance(kernel, policy.Fp8Kernel)
@@ -81,8 +81,9 @@ def test_fp8_leaf_carries_scales_and_refuses_dense_use(params):
     dense = params["layers"][group][name]["kernel"]
     assert kernel.values.shape == dense.shape
     assert kernel.scale.shape == (MODEL.num_layers, 1, 1) and kernel.scale.dtype == jnp.float32
-    err = jnp.abs(kernel.dequantize() - dense) / jnp.max(jnp.abs(dense))
-    assert float(err.max()) <= 2.0**-4  # e4m3: 3 mantissa bits
+    deq = np.asarray(kernel.values, np.float32) * np.asarray(kernel.scale)  # one block
+    err = np.abs(deq - np.asarray(dense)) / np.max(np.abs(np.asarray(dense)))
+    assert 0 < err.max() <= 2.0**-4  # e4m3: 3 mantissa bits
     # An FP8 leaf can never be used as a dense kernel by accident.
     for convert in (jnp.asarray, np.asarray, lambda k: k.astype(jnp.float32)):
       with pytest.raises(TypeError, match="Fp8Kernel"):
@@ -121,9 +122,9 @@ def test_kv_bytes_greedy_agreement_and_mismatch(params, samplers):
   the tokens generated before the first divergence (a random 32-wide model
   has small logit margins; W8A8 moves logits by a few percent); mismatch of
   the FP8 sampler's recorded log-probs against the trainer's float32
-  log-probs of the same tokens: k1 = 3.8e-3, k3 = 7.0e-4; against the
-  trainer running the same FP8 weights (only the FP8 KV and activation
-  rounding differ): k3 = 3.7e-4. Bounds below leave ~5x room.
+  log-probs of the same tokens: k1 = 3.8e-3, k3 = 7.0e-4 (against the
+  trainer running the same FP8 weights, leaving only the FP8 KV and
+  activation rounding: k3 = 3.7e-4). Bounds below leave ~5x room.
   """
   high, fp8 = samplers
   key = jax.random.key(1)
@@ -143,17 +144,14 @@ def test_kv_bytes_greedy_agreement_and_mismatch(params, samplers):
   assert first >= 0.5 and agreement >= 0.4, (first, agreement)
   # Log-prob mismatch of the FP8 sampler's tokens against the trainer.
   seqs, mask = _sequences(b)
-  kls = {}
-  for name, p in (("dense", params), ("fp8_weights", sampling.quantize_params(params, FP8))):
-    logp, _ = _token_logprobs(p, MODEL, seqs, mask)
-    old = np.zeros_like(b.logprobs)
-    for r in range(len(b.lengths)):
-      old[r, : b.lengths[r]] = np.asarray(logp[r])[mask[r].astype(bool)]
-    valid = np.arange(b.tokens.shape[1])[None] < b.lengths[:, None]
-    kls[name] = objectives.rollout_mismatch_kl(old, b.logprobs, valid)
-  print({n: (float(k.k1), float(k.k3)) for n, k in kls.items()}, first, agreement)
-  assert abs(float(kls["dense"].k1)) < 2e-2 and 0 <= float(kls["dense"].k3) < 2e-2
-  assert float(kls["fp8_weights"].k3) < float(kls["dense"].k3)
+  logp, _ = _token_logprobs(params, MODEL, seqs, mask)
+  old = np.zeros_like(b.logprobs)
+  for r in range(len(b.lengths)):
+    old[r, : b.lengths[r]] = np.asarray(logp[r])[mask[r].astype(bool)]
+  valid = np.arange(b.tokens.shape[1])[None] < b.lengths[:, None]
+  kl = objectives.rollout_mismatch_kl(old, b.logprobs, valid)
+  print(float(kl.k1), float(kl.k3), first, agreement)
+  assert abs(float(kl.k1)) < 2e-2 and 0 < float(kl.k3) < 4e-3
 
 
 def test_requantize_after_update_equals_quantizing_new_params(params, samplers):
