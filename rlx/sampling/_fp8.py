@@ -36,8 +36,26 @@ _AMAX_FLOOR = 1e-10
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _quantize(params, dtype: str):
-  return policy.quantize_linears(params, dtype)
+def _quantize(linears, dtype: str):
+  """`quantize_linears` on a tree holding only the decoder linear kernels."""
+  return policy.quantize_linears(linears, dtype)
+
+
+def _quantize_linears_only(params, dtype: str):
+  """Quantizes the linear kernels in one jitted call; every other leaf is passed as is (no copy)."""
+  layers = params["layers"]
+  for group, name in policy.LINEAR_KERNELS:
+    if name not in layers.get(group, {}) or "kernel" not in layers[group][name]:
+      raise ValueError(f"`params` has no layers/{group}/{name}/kernel (not policy params).")
+  linears = {"layers": {g: {} for g, _ in policy.LINEAR_KERNELS}}
+  for group, name in policy.LINEAR_KERNELS:
+    linears["layers"][group][name] = {"kernel": layers[group][name]["kernel"]}
+  quantized = _quantize(linears, dtype)["layers"]
+  new_layers = dict(layers)
+  for group, name in policy.LINEAR_KERNELS:
+    new_layers[group] = dict(new_layers[group])
+    new_layers[group][name] = {**layers[group][name], "kernel": quantized[group][name]["kernel"]}
+  return {**params, "layers": new_layers}
 
 
 def _has_dense_linears(params) -> bool:
@@ -54,8 +72,10 @@ def quantize_params(params: policy.Params, config: SamplerConfig) -> policy.Para
 
   `config.weight_dtype` "fp8_e4m3" / "fp8_e5m2": every dense decoder linear
   kernel becomes an `rlx.policy.Fp8Kernel` (`rlx.policy.quantize_linears`,
-  one jitted call on device; compiled once per parameter shape, so calling it
-  after every policy update never recompiles). "auto" / None: `params` are
+  one jitted call on device over the kernels only; compiled once per
+  parameter shape, so calling it after every policy update never
+  recompiles). Embeddings, LM head, norms and biases are the same arrays as
+  in `params` (not copied). "auto" / None: `params` are
   returned as they are. Kernels that already are `Fp8Kernel`s are kept, so
   this is idempotent. Works inside `jax.jit` too.
 
@@ -70,7 +90,7 @@ def quantize_params(params: policy.Params, config: SamplerConfig) -> policy.Para
     raise ValueError(f"`config` must be a SamplerConfig, got {type(config).__name__}.")
   if config.weight_dtype in (None, "auto") or not _has_dense_linears(params):
     return params
-  return _quantize(params, config.weight_dtype)
+  return _quantize_linears_only(params, config.weight_dtype)
 
 
 def _positive(value, name: str) -> float:
