@@ -11,9 +11,10 @@ rng stream, side by side in one run:
          (`Sampler.generate_fn` inside), timed as a whole.
 
 Each variant runs `--warmup` untimed iterations (compiles) then `--iterations`
-timed ones; the table gives medians. The policy is the freshly initialised
-model (no warm-up): the iteration's cost depends on shapes and response
-lengths, which are 5 tokens either way for this task.
+timed ones, the two variants alternating iteration by iteration (so load
+changes on a shared machine hit both); the table gives medians. The policy
+is the freshly initialised model (no warm-up): the iteration's cost depends
+on shapes and response lengths, which are 5 tokens either way for this task.
 
 Rerun:
 
@@ -70,27 +71,27 @@ def main(argv):
     )
 
   host = {"rollout": [], "reward": [], "logp": [], "train": [], "total": []}
-  state = fresh_state()
-  compile_host = time.perf_counter()
-  for i, examples in enumerate(batches):
-    if i == _WARMUP.value:
-      compile_host = time.perf_counter() - compile_host
-    state, m, _ = learner.iteration(state, None, rollout, examples, jax.random.fold_in(key, i))
-    if i >= _WARMUP.value:
-      for name in ("rollout", "reward", "logp", "train"):
-        host[name].append(m[f"time/{name}_s"])
-      host["total"].append(m["time/iteration_s"])
   fused = []
-  state = fresh_state()
-  compile_fused = time.perf_counter()
+  host_state, fused_state = fresh_state(), fresh_state()
+  compile_host = compile_fused = 0.0
+  # The two variants alternate iteration by iteration, so a change in machine
+  # load hits both alike (the ratio is measured side by side).
   for i, examples in enumerate(batches):
-    if i == _WARMUP.value:
-      compile_fused = time.perf_counter() - compile_fused
+    rng = jax.random.fold_in(key, i)
     t0 = time.perf_counter()
-    state, m = rl_step.from_examples(state, None, examples, jax.random.fold_in(key, i))
-    jax.block_until_ready(m)
-    if i >= _WARMUP.value:
-      fused.append(time.perf_counter() - t0)
+    host_state, m, _ = learner.iteration(host_state, None, rollout, examples, rng)
+    t1 = time.perf_counter()
+    fused_state, fm = rl_step.from_examples(fused_state, None, examples, rng)
+    jax.block_until_ready(fm)
+    t2 = time.perf_counter()
+    if i < _WARMUP.value:
+      compile_host += t1 - t0
+      compile_fused += t2 - t1
+      continue
+    for name in ("rollout", "reward", "logp", "train"):
+      host[name].append(m[f"time/{name}_s"])
+    host["total"].append(m["time/iteration_s"])
+    fused.append(t2 - t1)
 
   med = {name: statistics.median(v) for name, v in host.items()}
   fused_s = statistics.median(fused)
