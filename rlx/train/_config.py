@@ -15,10 +15,12 @@ big_vision's configs (https://github.com/google-research/big_vision):
 """
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from rlx import objectives
 
@@ -93,7 +95,7 @@ def get_config() -> ml_collections.ConfigDict:
   # forward (more memory, fewer collectives).
   c.gather_fsdp_per_layer = True
   # --- optimisation ---
-  # Global-norm gradient clipping; 0 disables it.
+  # Global-norm gradient clipping (finite); 0 disables it.
   c.max_grad_norm = 1.0
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 1e-6  # peak learning rate
@@ -141,6 +143,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   copy), and that each `*_kwargs` section names only keywords of its function.
   """
   _check_fields(config, get_config(), "config")
+  _check_numbers_and_flags(config)
   spec = loss_spec(config)
   _choice(config.agg, objectives.AGG_MODES + ("default",), "config.agg")
   _choice(config.kl_kind, objectives.KL_KINDS, "config.kl_kind")
@@ -162,25 +165,81 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   )
   if config.use_bapo:
     _check_bapo(config, spec)
-  for name in ("micro_batches", "ppo_epochs", "mini_batches"):
-    value = config[name]
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"`config.{name}` must be an int >= 1, got {value!r}.")
-  for name in ("kl_coef", "entropy_coef", "max_grad_norm", "logprob_chunk_size"):
-    if not config[name] >= 0:
-      raise ValueError(f"`config.{name}` must be >= 0, got {config[name]!r}.")
-  if not config.temperature > 0:
-    raise ValueError(f"`config.temperature` must be > 0, got {config.temperature!r}.")
   opt = config.optimizer
-  if not opt.learning_rate >= 0:
-    raise ValueError(f"`config.optimizer.learning_rate` must be >= 0, got {opt.learning_rate}.")
-  if opt.warmup_steps < 0:
-    raise ValueError(f"`config.optimizer.warmup_steps` must be >= 0, got {opt.warmup_steps}.")
   if opt.schedule == "warmup_cosine" and opt.decay_steps <= opt.warmup_steps:
     raise ValueError(
       f"`config.optimizer.decay_steps` ({opt.decay_steps}) must exceed warmup_steps "
       f"({opt.warmup_steps}) for the warmup_cosine schedule."
     )
+
+
+def _check_numbers_and_flags(config: ml_collections.ConfigDict) -> None:
+  """Every entry of `FIELD_RULES`, in order: its kind, then its range."""
+  for path, rule in FIELD_RULES.items():
+    value = config
+    for part in path.split("."):
+      value = value[part]
+    name = f"config.{path}"
+    if rule == "bool":
+      if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"`{name}` must be a bool, got {value!r}.")
+      continue
+    kind, low, low_open, high, high_open = rule
+    is_int = isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+    is_real = is_int or isinstance(value, float | np.floating)
+    expected = _describe(rule)
+    if (kind == "int" and not is_int) or not is_real:
+      raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
+    number = float(value)
+    below = number <= low if low_open else number < low
+    above = high is not None and (number >= high if high_open else number > high)
+    if not math.isfinite(number) or below or above:
+      raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
+
+
+def _describe(rule: tuple) -> str:
+  kind, low, low_open, high, high_open = rule
+  what = "an int (not a bool)" if kind == "int" else "a finite real number"
+  if high is None:
+    return f"{what} {'>' if low_open else '>='} {low:g}"
+  left, right = "(" if low_open else "[", ")" if high_open else "]"
+  return f"{what} in {left}{low:g}, {high:g}{right}"
+
+
+# Every bool and number field of get_config(): "bool", or (kind, low, low_open,
+# high, high_open) for a finite value of `kind` ("int" refuses floats and bools;
+# "float" takes ints and floats, never bools) in the interval between low and
+# high (None = unbounded), open at a bound whose flag is True. Checked by
+# validate_config; `test_every_field_has_a_rule` keeps it complete.
+FIELD_RULES: dict[str, Any] = {
+  "use_bapo": "bool",
+  "use_m2po": "bool",
+  "use_rollout_correction": "bool",
+  "use_vcpo": "bool",
+  "kl_coef": ("float", 0.0, False, None, False),
+  "entropy_coef": ("float", 0.0, False, None, False),
+  "temperature": ("float", 0.0, True, None, False),
+  "logprob_chunk_size": ("int", 0, False, None, False),
+  "gather_fsdp_params": "bool",
+  "gather_fsdp_per_layer": "bool",
+  # 0 disables clipping; +inf is refused (use 0 for "off").
+  "max_grad_norm": ("float", 0.0, False, None, False),
+  "optimizer.learning_rate": ("float", 0.0, False, None, False),
+  "optimizer.b1": ("float", 0.0, False, 1.0, True),
+  "optimizer.b2": ("float", 0.0, False, 1.0, True),
+  "optimizer.eps": ("float", 0.0, True, None, False),
+  "optimizer.weight_decay": ("float", 0.0, False, None, False),
+  "optimizer.warmup_steps": ("int", 0, False, None, False),
+  "optimizer.decay_steps": ("int", 1, False, None, False),
+  "optimizer.end_lr_ratio": ("float", 0.0, False, 1.0, False),
+  "micro_batches": ("int", 1, False, None, False),
+  "ppo_epochs": ("int", 1, False, None, False),
+  "mini_batches": ("int", 1, False, None, False),
+  "shuffle": "bool",
+  "report_throughput": "bool",
+}
+# Fields checked against a fixed set of choices instead (see validate_config).
+CHOICE_FIELDS = ("loss", "agg", "kl_kind", "optimizer.schedule", "nonfinite")
 
 
 def loss_spec(config: ml_collections.ConfigDict) -> objectives.PolicyLossSpec:

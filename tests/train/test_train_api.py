@@ -1,10 +1,12 @@
 """The public surface of rlx.train and the train config's validation."""
 
 import ml_collections
+import numpy as np
 import pytest
 
 import rlx.train
 from rlx import objectives
+from rlx.train import _config
 
 PUBLIC = (
   "BATCH_AXES",
@@ -68,6 +70,81 @@ def test_default_config_validates_and_names_bad_fields():
   config.nonfinite = "ignore"
   with pytest.raises(ValueError, match="config.nonfinite"):
     rlx.train.validate_config(config)
+
+
+def _set(config, path, value):
+  *parents, leaf = path.split(".")
+  for part in parents:
+    config = config[part]
+  config[leaf] = value
+
+
+def _leaves(config, prefix=""):
+  for key, value in config.items():
+    if key in _config.KWARGS_SECTIONS:
+      continue
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _leaves(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}"
+
+
+def test_every_field_has_a_rule():
+  leaves = set(_leaves(rlx.train.get_config()))
+  ruled = set(_config.FIELD_RULES) | set(_config.CHOICE_FIELDS)
+  assert leaves == ruled
+
+
+INF, NAN = float("inf"), float("nan")
+BAD_VALUES = {
+  "temperature": [INF, NAN, 0.0, -1.0, True],
+  "kl_coef": [INF, -0.1, NAN],
+  "entropy_coef": [INF, -INF],
+  "max_grad_norm": [INF, -1.0],
+  "logprob_chunk_size": [-1, 2.0, True],
+  "micro_batches": [True, 0, 2.0],
+  "ppo_epochs": [False, 0],
+  "mini_batches": [True, -1],
+  "optimizer.learning_rate": [INF, NAN, -1e-6],
+  "optimizer.b1": [1.5, 1.0, -0.1],
+  "optimizer.b2": [-0.1, 1.0],
+  "optimizer.eps": [-1e-8, 0.0, INF],
+  "optimizer.weight_decay": [-0.1, INF],
+  "optimizer.end_lr_ratio": [2.0, -1.0, NAN],
+  "optimizer.warmup_steps": [-1, 1.5, True],
+  "optimizer.decay_steps": [0, True],
+  "use_bapo": [1, "yes"],
+  "shuffle": [0],
+}
+
+
+@pytest.mark.parametrize(
+  "path, value", [(p, v) for p, values in BAD_VALUES.items() for v in values]
+)
+def test_out_of_range_or_mistyped_fields_are_named(path, value):
+  # Plain dicts skip ml_collections' own type coercion, so every value reaches
+  # the validator as given.
+  config = rlx.train.get_config().to_dict()
+  _set(config, path, value)
+  with pytest.raises(ValueError, match=rf"`config\.{path}` must be"):
+    rlx.train.validate_config(ml_collections.ConfigDict(config))
+
+
+@pytest.mark.parametrize(
+  "path, value",
+  [
+    ("max_grad_norm", 0.0),  # off
+    ("optimizer.end_lr_ratio", 1.0),
+    ("optimizer.b1", 0.0),
+    ("optimizer.learning_rate", 0),  # an int for a float field
+    ("micro_batches", np.int64(2)),
+    ("temperature", np.float32(0.7)),
+  ],
+)
+def test_edge_values_in_range_are_accepted(path, value):
+  config = rlx.train.get_config().to_dict()
+  _set(config, path, value)
+  rlx.train.validate_config(ml_collections.ConfigDict(config))
 
 
 def test_config_is_locked_against_misspelt_fields():
