@@ -6,7 +6,10 @@ on the same prompts, batch and lengths. Each measurement is the median wall
 time of `--repeats` calls after one warm-up (compiling) call, repeats
 interleaved across the samplers of a table so that machine load hits them
 alike; tokens/s counts generated tokens (a stop token included) over the
-whole call (prefill, decode, host scheduling, results back on host).
+whole call (prefill, decode, host scheduling, results back on host). The
+tables also report the median process CPU time of a call (all threads of
+this process): on a machine shared with other jobs it tracks the work done
+more steadily than wall time (spin-waiting thread pools still count).
 
 Samplers:
 
@@ -456,15 +459,28 @@ def _make_matmul_floor(mc, batch: int, steps: int) -> Callable:
 
 
 def _measure(calls: dict[str, Callable[[], Result]], repeats: int) -> dict[str, tuple]:
-  """Warms every call up once, then times `repeats` rounds interleaved; (median s, Result)."""
+  """Warms every call up once, then times `repeats` rounds interleaved; (median s, Result).
+
+  The median process CPU time of the calls (all threads of this process: the
+  work done, less sensitive than wall time to other jobs sharing the cores)
+  goes into the returned Result's `stats["cpu_s"]`.
+  """
   results = {name: fn() for name, fn in calls.items()}
   times = {name: [] for name in calls}
+  cpu = {name: [] for name in calls}
   for _ in range(repeats):
     for name, fn in calls.items():
-      start = time.perf_counter()
+      start, start_cpu = time.perf_counter(), time.process_time()
       results[name] = fn()
       times[name].append(time.perf_counter() - start)
-  return {name: (statistics.median(times[name]), results[name]) for name in calls}
+      cpu[name].append(time.process_time() - start_cpu)
+  out = {}
+  for name in calls:
+    r = results[name]
+    if isinstance(r, Result):
+      r.stats["cpu_s"] = statistics.median(cpu[name])
+    out[name] = (statistics.median(times[name]), r)
+  return out
 
 
 def _rlx_config(**kw) -> sampling.SamplerConfig:
@@ -527,16 +543,22 @@ def _speed_table(mc, params, hf) -> tuple[list[str], dict]:
     f"## Tokens/s: rlx vs transformers vs dense-KV JAX (greedy, B={b}, prompts "
     f"{_MIN_PROMPT.value}-{_MAX_PROMPT.value} tokens, {m} new tokens, {mc.param_dtype})",
     "",
-    "| sampler | wall s | tokens/s | vs best transformers | vs best dense JAX "
-    "| same tokens as rlx |",
-    "|---|---:|---:|---:|---:|---:|",
+    "| sampler | wall s | tokens/s | vs best transformers | vs best dense JAX | CPU s "
+    "| tokens/CPU-s | vs best transformers (CPU) | vs best dense JAX (CPU) | same tokens as rlx |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
+  cps = {k: int(r.lengths.sum()) / r.stats["cpu_s"] for k, (_, r) in res.items()}
+  cpu_hf = max((v for k, v in cps.items() if k.startswith("transformers")), default=None)
+  cpu_dense = max((v for k, v in cps.items() if k.startswith("dense")), default=None)
+
+  def ratio(x, base):
+    return f"{x / base:.2f}x" if base else "-"
+
   for k, (s, r) in res.items():
-    vs_hf = f"{tps[k] / best_hf:.2f}x" if best_hf else "-"
-    vs_dense = f"{tps[k] / best_dense:.2f}x" if best_dense else "-"
     lines.append(
-      f"| {k} | {s:.3f} | {tps[k]:.0f} | {vs_hf} | {vs_dense} | "
-      f"{100 * _same(r, res['rlx'][1]):.0f}% |"
+      f"| {k} | {s:.3f} | {tps[k]:.0f} | {ratio(tps[k], best_hf)} | {ratio(tps[k], best_dense)} | "
+      f"{r.stats['cpu_s']:.3f} | {cps[k]:.0f} | {ratio(cps[k], cpu_hf)} | "
+      f"{ratio(cps[k], cpu_dense)} | {100 * _same(r, res['rlx'][1]):.0f}% |"
     )
     if k == "rlx":
       st = r.stats
@@ -611,7 +633,8 @@ def _length_summary(lengths: np.ndarray, cap: int) -> str:
   )
 
 
-def _tail_table(mc, params) -> list[str]:
+def _tail_table(mc, params, best_threads: int | None) -> list[str]:
+  """Long tail; transformers (if on) runs with `best_threads` (the speed table's best) if set."""
   b, m, n, k = _BATCH.value, _NEW.value, _TAIL_REQUESTS.value, _TAIL_STOPS.value
   if not 1 <= k < mc.vocab_size:
     raise app.UsageError(f"--tail_stop_ids must be in [1, vocab={mc.vocab_size}).")
@@ -630,6 +653,8 @@ def _tail_table(mc, params) -> list[str]:
     dense.generate, params, prompts, 1, 0
   )
   threads = _torch_threads()
+  if best_threads:
+    threads = [best_threads]
   if _TAIL_HF.value and threads:
     hf_tail = _HFSampler(
       mc, params, batch=b, max_prompt_len=_MAX_PROMPT.value, max_new_tokens=m, temperature=1.0,
@@ -644,13 +669,16 @@ def _tail_table(mc, params) -> list[str]:
     f"## Long tail: static vs continuous batching ({n} requests, B={b} slots, temperature 1, "
     f"{k} stop ids of {mc.vocab_size}, max {m} new tokens)",
     "",
-    "| sampler | wall s | completed tokens | tokens/s | vs rlx static | response lengths |",
-    "|---|---:|---:|---:|---:|---|",
+    "| sampler | wall s | completed tokens | tokens/s | vs rlx static | CPU s "
+    "| vs rlx static (CPU) | response lengths |",
+    "|---|---:|---:|---:|---:|---:|---:|---|",
   ]
+  cps = {name: int(r.lengths.sum()) / r.stats["cpu_s"] for name, (_, r) in res.items()}
   for name, (s, r) in res.items():
     lines.append(
       f"| {name} | {s:.3f} | {int(r.lengths.sum())} | {tps[name]:.0f} | "
-      f"{tps[name] / tps['rlx static']:.2f}x | {_length_summary(r.lengths, m)} |"
+      f"{tps[name] / tps['rlx static']:.2f}x | {r.stats['cpu_s']:.3f} | "
+      f"{cps[name] / cps['rlx static']:.2f}x | {_length_summary(r.lengths, m)} |"
     )
   st = res["rlx continuous"][1].stats
   lines += [
@@ -677,16 +705,17 @@ def _prefix_table(mc, params) -> list[str]:
     f"## Prefix sharing: {n} prompts x {g} samples, prompts of {length} tokens "
     f"({(length - 1) // page} full pages of {page} shared), {m} new tokens, temperature 1",
     "",
-    "| run | peak pages used | prefilled tokens | wall s | tokens/s | ratio |",
-    "|---|---:|---:|---:|---:|---:|",
+    "| run | peak pages used | prefilled tokens | wall s | tokens/s | ratio | CPU s "
+    "| ratio (CPU) |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  base = None
+  base = base_cpu = None
   for name, (s, r) in res.items():
-    t = int(r.lengths.sum()) / s
-    base = base or t
+    t, c = int(r.lengths.sum()) / s, int(r.lengths.sum()) / r.stats["cpu_s"]
+    base, base_cpu = base or t, base_cpu or c
     lines.append(
       f"| {name} | {r.stats.get('peak_pages_used')} | {r.stats.get('prefill_tokens')} | "
-      f"{s:.3f} | {t:.0f} | {t / base:.2f} |"
+      f"{s:.3f} | {t:.0f} | {t / base:.2f} | {r.stats['cpu_s']:.3f} | {c / base_cpu:.2f} |"
     )
   return lines
 
@@ -704,15 +733,16 @@ def _pool_table(mc, params) -> list[str]:
   lines = [
     f"## Pool size: the speed workload with a {f}x larger page pool",
     "",
-    "| pool | peak pages used | wall s | tokens/s | ratio |",
-    "|---|---:|---:|---:|---:|",
+    "| pool | peak pages used | wall s | tokens/s | ratio | CPU s | ratio (CPU) |",
+    "|---|---:|---:|---:|---:|---:|---:|",
   ]
-  base = None
+  base = base_cpu = None
   for name, (s, r) in res.items():
-    t = int(r.lengths.sum()) / s
-    base = base or t
+    t, c = int(r.lengths.sum()) / s, int(r.lengths.sum()) / r.stats["cpu_s"]
+    base, base_cpu = base or t, base_cpu or c
     lines.append(
-      f"| {name} | {r.stats.get('peak_pages_used')} | {s:.3f} | {t:.0f} | {t / base:.2f} |"
+      f"| {name} | {r.stats.get('peak_pages_used')} | {s:.3f} | {t:.0f} | {t / base:.2f} | "
+      f"{r.stats['cpu_s']:.3f} | {c / base_cpu:.2f} |"
     )
   lines += ["", "Target: the large pool at >= 0.95x."]
   return lines
@@ -923,7 +953,7 @@ def main(argv):
     elif name == "step":
       table = _step_table(mc, params, hf, best_threads)
     elif name == "tail":
-      table = _tail_table(mc, params)
+      table = _tail_table(mc, params, best_threads)
     elif name == "prefix":
       table = _prefix_table(mc, params)
     elif name == "pool":

@@ -75,7 +75,7 @@ def test_bench_sampler_runs_every_table(tmp_path):
 
   tail = _rows(table, "## Long tail")
   assert {"rlx continuous", "rlx static", "dense JAX static (unroll)"} <= set(tail)
-  assert tail["rlx static"][3] == "1.00x"
+  assert tail["rlx static"][3] == "1.00x" and tail["rlx static"][5] == "1.00x"
 
   prefix = _rows(table, "## Prefix sharing")
   shared, unshared = prefix["G=2 (shared prompt pages)"], prefix["G=1, each prompt repeated 2x"]
