@@ -67,6 +67,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.top_p = 1.0  # 1.0 = no nucleus truncation
   c.sampler.steps_per_sync = 16  # decode steps per device loop between host syncs
 
+  # --- rollouts ---
+  c.rollout = ml_collections.ConfigDict()
+  # Partial rollouts (APRIL, rlx.sampling.RolloutEngine): > 1 keeps
+  # ceil(over_provision * prompts_per_iteration) groups in flight, stops each
+  # collection once prompts_per_iteration groups are complete and resumes the
+  # unfinished ones first next iteration with the newer policy (their tokens
+  # keep the log-prob and version of the policy that sampled them; the buffer
+  # is checkpointed). 1.0 = synchronous (Sampler.generate every iteration).
+  # Partial rollouts run the host-driven iteration (rl.fused is ignored).
+  c.rollout.over_provision = 1.0
+
   # --- the train step (rlx.train.get_config(); its fields, see there) ---
   c.train = train.get_config()
   c.train.loss = "ppo"  # any key of rlx.objectives.POLICY_LOSSES
@@ -144,6 +155,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     )
   _choice(rl.baseline, BASELINES, "config.rl.baseline")
   _choice(rl.rollout, ROLLOUTS, "config.rl.rollout")
+  over = config.rollout.over_provision
+  if isinstance(over, bool) or not isinstance(over, int | float) or not 1.0 <= over < float("inf"):
+    raise ValueError(
+      f"`config.rollout.over_provision` must be a finite number >= 1 (1 = synchronous), "
+      f"got {over!r}."
+    )
   _choice(rl.reward, ("auto", "jax", "host"), "config.rl.reward")
   _choice(config.warmup.on_cap, ("raise", "warn"), "config.warmup.on_cap")
   g = rl.num_samples

@@ -1,10 +1,12 @@
-"""The rollout side of the loop: one interface, `collect(params, prompts, rng) -> RolloutBatch`.
+"""The rollout side of the loop: `collect(params, prompts, rng) -> RolloutBatch`.
 
 `SyncRollout` implements it over `rlx.sampling.Sampler.generate` (every
-iteration samples fresh from the current params). A partial-rollout engine
-(APRIL-style over-provisioning with recycled unfinished groups, Zhou et al.
-2025, https://arxiv.org/abs/2509.18521) implements the same method, so the
-loop never changes.
+iteration samples fresh from the current params). `PartialRollout` runs
+APRIL-style over-provisioning with recycled unfinished groups (Zhou et al.
+2025, https://arxiv.org/abs/2509.18521) over `rlx.sampling.RolloutEngine`:
+it decides how many prompts it consumes, so it PULLS them from a source
+(`collect_groups(params, source, rng, policy_version=v) -> (batch, keys)`)
+and its buffer is checkpointed with the data cursor.
 """
 
 import math
@@ -150,3 +152,112 @@ class SyncRollout:
       group,
       np.int32(policy_version),
     )
+
+
+def _spread(values: jax.Array, prompt_lengths: jax.Array, width: int, fill: int) -> jax.Array:
+  """Per-response-token values [B, T] laid out on the batch's [B, width] sequence positions."""
+  b, t = values.shape
+  pos = jnp.arange(width, dtype=jnp.int32)[None, :]
+  index = jnp.clip(pos - prompt_lengths[:, None], 0, t - 1)
+  return jnp.take_along_axis(values, jnp.broadcast_to(index, (b, width)), axis=1)
+
+
+@jax.jit
+def _build_partial(
+  prompt_tokens, prompt_lengths, tokens, logprobs, versions, lengths, stopped, group
+):
+  batch = _batch.build_rollout_batch(
+    prompt_tokens, prompt_lengths, tokens, logprobs, lengths, stopped, group, 0
+  )
+  spread = _spread(versions, batch.prompt_lengths, batch.tokens.shape[1], -1)
+  return batch.replace(policy_version=jnp.where(batch.response_mask, spread, -1))
+
+
+class PartialRollout:
+  """APRIL partial rollouts for the loop, over `rlx.sampling.RolloutEngine`.
+
+  Over-provisioning (Zhou et al. 2025, https://arxiv.org/abs/2509.18521):
+  `ceil(over_provision * target_groups)` groups share the sampler's slots,
+  the collection stops once `target_groups` are complete, and the unfinished
+  ones are resumed first at the next collection by the newer policy. The
+  batch carries each token's behaviour log-prob and policy version (CoPRIS,
+  https://arxiv.org/abs/2511.02755), so the trainer's rollout correction
+  weights (old_logp - rollout_logp) see the staleness of recycled tokens.
+
+  Prompt flow: `collect_groups` PULLS prompts from `source(n)` (n `(key,
+  prompt ids)` pairs, e.g. the examples' indices in their split): as many as
+  it launches, so the source's cursor and `state_dict()` checkpointed
+  together resume exactly. It returns the batch and the keys of its groups
+  (rows group-major), which the loop maps back to its examples.
+  """
+
+  def __init__(
+    self,
+    sampler: Any,
+    *,
+    num_samples: int,
+    target_groups: int,
+    over_provision: float,
+  ):
+    from rlx import sampling  # noqa: PLC0415 (the sampler is optional at import time)
+
+    self.engine = sampling.RolloutEngine(
+      sampler,
+      num_samples=num_samples,
+      target_groups=target_groups,
+      over_provision=over_provision,
+    )
+    self.num_samples = int(num_samples)
+    self.last_stats: dict[str, Any] = {}
+
+  def collect_groups(
+    self, params: Any, source: Any, rng: jax.Array, *, policy_version: int
+  ) -> tuple[_batch.RolloutBatch, np.ndarray]:
+    """One collection: `(RolloutBatch of target_groups * G rows, i64[target_groups] keys)`."""
+    out = self.engine.collect(params, source, rng, policy_version=int(policy_version))
+    self.last_stats = dict(out.stats)
+    batch = _build_partial(
+      out.prompt_tokens, out.prompt_lengths, out.tokens, out.logprobs, out.versions,
+      out.lengths, out.stopped, out.group_index,
+    )  # fmt: skip
+    return batch, out.keys
+
+  def metrics(self) -> dict[str, float]:
+    """Host floats of the last collection, under `rollout/`."""
+    st = self.last_stats
+    out = {
+      f"rollout/{k}": float(st[k])
+      for k in (
+        "groups_returned", "groups_recycled", "groups_fresh", "groups_resumed",
+        "off_policy_token_fraction", "mean_staleness", "max_staleness",
+        "slot_utilisation", "tokens_per_s", "prefill_tokens",
+      )
+    }  # fmt: skip
+    for s, n in st["staleness_histogram"].items():
+      out[f"rollout/staleness_{s}_tokens"] = float(n)
+    return out
+
+  def state_dict(self) -> dict[str, np.ndarray]:
+    """The buffer (see `rlx.sampling.RolloutEngine.state_dict`)."""
+    return self.engine.state_dict()
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    self.engine.load_state_dict(state)
+
+
+class Collected:
+  """A `Rollout` that hands back an already collected batch (for `Learner.iteration`)."""
+
+  def __init__(self, batch: _batch.RolloutBatch):
+    self.batch = batch
+
+  def collect(
+    self, params: Any, prompts: Sequence[Sequence[int]], rng: jax.Array, *, policy_version: int = 0
+  ) -> _batch.RolloutBatch:
+    """Returns the batch (its rows must answer `prompts`, G rows each)."""
+    del params, rng, policy_version
+    if self.batch.num_rows % max(len(prompts), 1):
+      raise ValueError(
+        f"{len(prompts)} prompts do not divide the batch's {self.batch.num_rows} rows."
+      )
+    return self.batch

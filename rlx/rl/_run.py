@@ -2,7 +2,8 @@
 
 Workdir layout:
   warmup/        orbax checkpoint of the warmed-up policy (reused on resume)
-  checkpoints/   orbax checkpoints of the RL run (params, optimizer, rng, data cursor)
+  checkpoints/   orbax checkpoints of the RL run (params, optimizer, rng, data cursor,
+                 the partial-rollout buffer)
   metrics.jsonl  one JSON record per warm-up evaluation / RL iteration / dev evaluation
   tensorboard/   TensorBoard event files (tensorboardX)
   plots/         PNG learning curves, written at the end
@@ -163,7 +164,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if latest is not None:
     restored = ckpt.restore(abstract)
     state, cursor = restored.state, restored.data_cursor
+    rollout_buffer = (restored.extra or {}).get("rollout_buffer")
   else:
+    rollout_buffer = None
     state = start_state
     cursor = {
       "source": None,
@@ -175,9 +178,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   del start_state
   start = int(cursor["iteration"])
   elapsed_before = float(cursor.get("elapsed_s", 0.0))
+  partial = float(config.rollout.over_provision) > 1.0
+  train_examples = task.split("train")
   source = _data.PromptSource(
-    task.split("train"),
-    batch_size=int(config.rl.prompts_per_iteration),
+    train_examples,
+    # Partial rollouts pull a varying number of prompts one by one (the same stream).
+    batch_size=1 if partial else int(config.rl.prompts_per_iteration),
     seed=int(config.seed) + 1,
     cursor=cursor["source"],
   )
@@ -187,8 +193,34 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     max_prompt_len=rollout_kwargs["max_prompt_len"],
     max_new_tokens=rollout_kwargs["max_new_tokens"],
   )
+  partial_rollout = None
+  if partial:
+    partial_rollout = _rollout.PartialRollout(
+      sampler,
+      num_samples=k,
+      target_groups=int(config.rl.prompts_per_iteration),
+      over_provision=float(config.rollout.over_provision),
+    )
+    if rollout_buffer is not None:
+      partial_rollout.load_state_dict(rollout_buffer)
+    elif latest is not None:
+      warnings.warn(
+        "Resuming with partial rollouts from a checkpoint without a rollout buffer: "
+        "starting with an empty buffer.",
+        stacklevel=2,
+      )
+  index_of = {id(e): i for i, e in enumerate(train_examples)}
+
+  def pull(n):  # the next n fresh prompts as (index in the train split, prompt ids)
+    out = []
+    for _ in range(n):
+      e = source.next_batch()[0]
+      out.append((index_of[id(e)], e.prompt_ids))
+    return out
+
   fused = bool(
-    config.rl.fused
+    not partial
+    and config.rl.fused
     and learner.jax_reward is not None
     and hasattr(sampler, "generate_fn")
     and rows <= rollout_kwargs["max_slots"]
@@ -207,14 +239,25 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   iteration = start
   phase_start = time.perf_counter()
   while stop_reason is None and iteration < total:
-    examples = source.next_batch()
     rng = jax.random.fold_in(rollout_key, iteration)
     t0 = time.perf_counter()
-    if fused:
+    if partial:
+      version = int(train.to_host(state.step))
+      batch, keys = partial_rollout.collect_groups(state.params, pull, rng, policy_version=version)
+      examples = [train_examples[int(i)] for i in keys]
+      t_rollout = time.perf_counter() - t0
+      state, metrics, _ = learner.iteration(
+        state, ref_params, _rollout.Collected(batch), examples, rng
+      )
+      metrics["time/rollout_s"] += t_rollout
+      metrics.update(partial_rollout.metrics())
+    elif fused:
+      examples = source.next_batch()
       state, device_metrics = rl_step.from_examples(state, ref_params, examples, rng)
       metrics = _learner._host_floats(device_metrics)
       metrics["time/fused_s"] = time.perf_counter() - t0
     else:
+      examples = source.next_batch()
       state, metrics, _ = learner.iteration(state, ref_params, rollout, examples, rng)
     seconds = time.perf_counter() - t0
     metrics["time/iteration_s"] = seconds
@@ -252,9 +295,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         "elapsed_s": elapsed_before + time.perf_counter() - wall_start,
         "stop": stop_reason,
       }
-      ckpt.save(
-        iteration, state, data_cursor=cursor, extra={"rng": np.asarray(base_key)}, force=True
-      )
+      extra = {"rng": np.asarray(base_key)}
+      if partial:
+        extra["rollout_buffer"] = partial_rollout.state_dict()
+      ckpt.save(iteration, state, data_cursor=cursor, extra=extra, force=True)
   if bar is not None:
     bar.close()
   log.close()

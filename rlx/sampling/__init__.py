@@ -17,6 +17,15 @@ FP8 rollout (W8A8 linears + FP8 KV), refreshed after every policy update:
   kv_scales = calibrate_kv_scales(train_params, model_config, tokens, mask)  # amax / headroom
   out = sampler.generate(rollout_params, prompts, rng=key, kv_scales=kv_scales)
 
+Partial rollouts (APRIL over-provisioning, a checkpointable FIFO buffer of
+unfinished groups, per-token behaviour log-probs and versions):
+
+  engine = RolloutEngine(sampler, num_samples=G, target_groups=64, over_provision=2.0)
+  out = engine.collect(params, source, key, policy_version=v)   # source(n) -> n (key, ids)
+  # out: PartialRollouts of 64 complete groups; engine.state_dict() goes in the checkpoint
+  sampler.generate_requests(params, rows, prompt_index=..., sample_index=..., rng=key,
+                            prefix_tokens=..., prefix_logprobs=..., stop_when=f)  # resume
+
 Rows are prompt-major: row i * num_samples + j is sample j of prompt i. The
 decode step is the policy's own layer scan (`rlx.policy.layer_scan`) with the
 stacked page pool in its carry and `rlx.kernels_pallas.paged_attention` /
@@ -32,6 +41,8 @@ from rlx.sampling._fp8 import V_HEADROOM as V_HEADROOM
 from rlx.sampling._fp8 import calibrate_kv_scales as calibrate_kv_scales
 from rlx.sampling._fp8 import kv_scales_from_absmax as kv_scales_from_absmax
 from rlx.sampling._fp8 import quantize_params as quantize_params
+from rlx.sampling._partial import PartialRollouts as PartialRollouts
+from rlx.sampling._partial import RolloutEngine as RolloutEngine
 from rlx.sampling._sample import sample_keys as sample_keys
 from rlx.sampling._sample import sample_tokens as sample_tokens
 from rlx.sampling._sampler import Completions as Completions
@@ -46,6 +57,8 @@ __all__ = (
   "kv_scales_from_absmax",
   "quantize_params",
   "Completions",
+  "PartialRollouts",
+  "RolloutEngine",
   "SamplerConfig",
   "Sampler",
   "sample_keys",
