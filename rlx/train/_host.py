@@ -1,7 +1,7 @@
 """`TrainStep`: the host side of the train step (checks, placement, dispatch, throughput).
 
 Everything that reads VALUES happens here, on host, before dispatch (token-id
-range), or after it only where asked for (`nonfinite="raise"`,
+range, finite loss-token values), or after it only where asked for (`nonfinite="raise"`,
 `report_throughput=True`); the default call dispatches asynchronously and
 returns at once. The pure step itself is `TrainStep.step_fn`.
 """
@@ -38,7 +38,8 @@ class TrainStep:
   """`train_step(state, batch) -> (state, metrics)`, from `make_train_step`.
 
   Calling it checks the state (structure and shapes) and the batch (keys,
-  shapes, token ids in [0, vocab)) on host, places batch arrays not yet
+  shapes, dtypes, token ids in [0, vocab), a 0/1 mask, finite advantages and
+  log-probabilities <= 0 on loss tokens; `check_values`) on host, places batch arrays not yet
   sharded along the batch axes, and dispatches ONE jitted function
   (`jitted`) with explicit in/out shardings that donates `state`. It returns
   without waiting for the device (asynchronous dispatch), unless:
@@ -123,7 +124,7 @@ class TrainStep:
       "the step's TrainState (same model config and optimizer?)",
     )
     _batch.check_batch(batch, self.config, _mesh.batch_axis_size(self.mesh))
-    _batch.check_values(batch, self.vocab_size)
+    _batch.check_values(batch, self.vocab_size, _batch.FLOAT_KEYS)
     return _placement.place_batch(batch, self.mesh)
 
   def lower(self, state: _state.TrainState, batch: Mapping[str, Any]):

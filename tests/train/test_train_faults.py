@@ -6,6 +6,7 @@ import pytest
 import train_testlib as tl
 
 from rlx import policy, train
+from rlx.train import _batch
 
 
 def _good_batch(m, state, logprobs):
@@ -130,3 +131,107 @@ def test_a_donated_state_is_named_not_a_raw_deleted_buffer_error():
   with pytest.raises(ValueError, match=r"`params\['embed'\]\['embedding'\]` was deleted"):
     logprobs(state, batch)
   step_fn(new_state, dict(batch, old_logp=logprobs(new_state, batch)))
+
+
+@pytest.mark.parametrize(
+  "key, value, what",
+  [
+    ("advantages", np.nan, "must be finite on loss tokens"),
+    ("advantages", -np.inf, "must be finite on loss tokens"),
+    ("old_logp", np.nan, "must be finite on loss tokens"),
+    ("old_logp", 1e-3, "is a log-probability and must be <= 0"),
+    ("rollout_logp", np.inf, "must be finite on loss tokens"),
+    ("ref_logp", 0.5, "is a log-probability and must be <= 0"),
+  ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_bad_float_values_on_loss_tokens_are_named_with_their_index(key, value, what, on_device):
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  batch = {k: np.array(v) for k, v in _good_batch(m, state, logprobs).items()}
+  batch["rollout_logp"], batch["ref_logp"] = batch["old_logp"].copy(), batch["old_logp"].copy()
+  row, col = 5, int(np.argmax(batch["loss_mask"][5])) + 1  # a loss token
+  assert batch["loss_mask"][row, col] == 1
+  if key == "advantages":
+    batch[key][row] = value
+    where = "row 5"
+  else:
+    batch[key][row, col] = value
+    where = rf"\[5, {col}\]"
+  if on_device:
+    batch = train.shard_batch(batch, m)
+  with pytest.raises(ValueError, match=rf"`batch\['{key}'\]` {what}.* 1 .*the first at {where}"):
+    step_fn(state, batch)
+  assert not jax.tree.leaves(state.params)[0].is_deleted()  # nothing ran
+
+
+def test_nan_in_padding_is_allowed_and_gives_the_clean_result():
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  clean = {k: np.array(v) for k, v in _good_batch(m, tl.init_state(m, cfg), logprobs).items()}
+  padding = clean["loss_mask"] == 0
+  dirty = {k: v.copy() for k, v in clean.items()}
+  dirty["old_logp"][padding] = np.nan
+  outputs = []
+  for batch in (clean, dirty, train.shard_batch(dirty, m)):
+    state, metrics = step_fn(tl.init_state(m, cfg), batch)
+    outputs.append((tl.host_params(state), train.to_host(metrics)))
+  for params, metrics in outputs[1:]:
+    assert metrics["skipped"] == 0
+    np.testing.assert_array_equal(metrics["loss"], outputs[0][1]["loss"])
+    for got, want in zip(params, outputs[0][0], strict=True):
+      np.testing.assert_array_equal(got, want)
+  # Any value in padding passes the check, for every float key; so does a
+  # log-probability a hair above 0 on a loss token (rounding slack).
+  other = dict(dirty, advantages=np.where(padding, np.nan, clean["advantages"][:, None]))
+  other["rollout_logp"] = np.where(padding, np.inf, clean["old_logp"])
+  other["ref_logp"] = np.where(padding, 5.0, 1e-7)
+  for batch in (other, train.shard_batch(other, m)):
+    _batch.check_values(batch, tl.VOCAB, _batch.FLOAT_KEYS)
+
+
+@pytest.mark.parametrize(
+  "key, value, match",
+  [
+    ("advantages", np.array(["a"] * tl.BATCH), r"`batch\['advantages'\]` must be a floating"),
+    ("old_logp", np.zeros((tl.BATCH, tl.SEQ), np.int32), r"`batch\['old_logp'\]` must be a float"),
+    ("ref_logp", np.zeros((tl.BATCH, tl.SEQ), bool), r"`batch\['ref_logp'\]` must be a floating"),
+    ("positions", np.zeros((tl.BATCH, tl.SEQ), np.float32), r"`batch\['positions'\]` must be an"),
+    ("segment_ids", np.ones((tl.BATCH, tl.SEQ)), r"`batch\['segment_ids'\]` must be an int"),
+    ("loss_mask", np.full((tl.BATCH, tl.SEQ), "1"), r"`batch\['loss_mask'\]` must be a bool"),
+  ],
+)
+def test_batch_dtypes_are_named(key, value, match):
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  batch = dict(_good_batch(m, state, logprobs), **{key: value})
+  with pytest.raises(ValueError, match=match):
+    step_fn(state, batch)
+  if key in ("positions", "segment_ids", "loss_mask"):  # inputs of the forward too
+    with pytest.raises(ValueError, match=match):
+      logprobs(state, batch)
+  if value.dtype.kind != "U":  # JAX traces no strings
+    with pytest.raises(ValueError, match=match):  # at trace time too
+      jax.eval_shape(step_fn.step_fn, state, batch)
+
+
+def test_device_batches_are_reduced_once_per_new_array(monkeypatch):
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  calls = []
+  reduce = _batch._device_summary
+  monkeypatch.setattr(_batch, "_device_summary", lambda *a: calls.append(a) or reduce(*a))
+  batch = tl.make_batch(0)
+  batch.pop("rollout_noise")
+  batch = train.shard_batch(batch, m)
+  batch["old_logp"] = logprobs(state, batch)  # tokens + mask reduced
+  assert len(calls) == 1
+  step_fn.check_and_place(state, batch)  # only the float keys are new: one reduction
+  step_fn.check_and_place(state, batch)  # nothing new
+  assert len(calls) == 2
+  # A new array under a checked key is checked again (the cache is by identity).
+  old = np.array(batch["old_logp"])
+  old[0, int(np.argmax(np.asarray(batch["loss_mask"])[0]))] = np.nan
+  bad = dict(batch, old_logp=train.shard_batch({"old_logp": old}, m)["old_logp"])
+  with pytest.raises(ValueError, match=r"`batch\['old_logp'\]` must be finite"):
+    step_fn.check_and_place(state, bad)
+  assert len(calls) == 3
