@@ -30,6 +30,8 @@ def test_public_names_and_signatures():
     "kv_scales_from_absmax",
     "quantize_params",
     "Completions",
+    "PartialRollouts",
+    "RolloutEngine",
     "SamplerConfig",
     "Sampler",
     "sample_keys",
