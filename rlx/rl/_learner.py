@@ -266,10 +266,13 @@ def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
     adv, keep = _advantages.group_advantages(rewards, k, learner.baseline)
     tb = _batch.train_batch(batch, adv, keep)
     inputs = {"tokens": tb["tokens"], "loss_mask": tb["loss_mask"]}
-    tb["old_logp"] = learner.compute_logprobs.jitted(state.params, inputs)
+    # The pure functions (no host checks, no nested jit): one compiled program.
+    tb["old_logp"] = jax.lax.stop_gradient(
+      learner.compute_logprobs.logprobs_fn(state.params, inputs)
+    )
     if uses_ref:
-      tb["ref_logp"] = learner.compute_logprobs.jitted(ref_params, inputs)
-    state, metrics = learner.train_step.jitted(state, tb)
+      tb["ref_logp"] = learner.compute_logprobs.logprobs_fn(ref_params, inputs)
+    state, metrics = learner.train_step.step_fn(state, tb)
     metrics = dict(metrics)
     metrics.update(_rollout_metrics(batch, rewards))
     metrics.update(_group_metrics(rewards, k))

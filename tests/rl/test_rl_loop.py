@@ -86,6 +86,44 @@ def test_every_loss_and_baseline_runs_one_iteration(loss):
     assert metrics["skipped"] == 0
 
 
+def _check_batch_independently(batch, examples, task, learner, params, kwargs):
+  """Numpy re-derivation of one iteration's training signal from the raw rollout batch."""
+  k, n = learner.group_size, len(examples)
+  tokens = np.asarray(batch.tokens)
+  plen, rlen = np.asarray(batch.prompt_lengths), np.asarray(batch.response_lengths)
+  np.testing.assert_array_equal(np.asarray(batch.group_ids), np.repeat(np.arange(n), k))
+  stop = set(task.stop_token_ids)
+  responses = []
+  for b in range(n * k):
+    e = examples[b // k]
+    np.testing.assert_array_equal(tokens[b, : plen[b]], e.prompt_ids)  # prompt-major rows
+    resp = tokens[b, plen[b] : plen[b] + rlen[b]].tolist()
+    assert not (tokens[b, plen[b] + rlen[b] :]).any(), "padding after the response"
+    if bool(batch.stopped[b]):
+      assert resp[-1] in stop and not stop & set(resp[:-1]), "stop token ends the response"
+    else:
+      assert rlen[b] == kwargs["max_new_tokens"] and not stop & set(resp)
+    responses.append(resp)
+  # Reward = the task's host reward of the decoded response (the JAX reward agrees).
+  host = np.asarray(task.reward([e for e in examples for _ in range(k)], responses), np.float32)
+  np.testing.assert_array_equal(np.asarray(batch.rewards), host)
+  adv, keep = (np.asarray(x) for x in learner._advantages(batch.rewards))
+  grouped = host.reshape(n, k)
+  std = grouped.std(1, ddof=1, keepdims=True)  # unbiased, as verl; a constant group -> 1
+  expected = (grouped - grouped.mean(1, keepdims=True)) / (np.where(std > 0, std, 1.0) + 1e-6)
+  np.testing.assert_allclose(adv.reshape(n, k), expected, atol=1e-4)
+  tb = learner._train_batch(batch, adv, keep)
+  mask = np.asarray(tb["loss_mask"])
+  s = np.arange(tokens.shape[1])[None]
+  np.testing.assert_array_equal(mask, (s >= plen[:, None]) & (s < (plen + rlen)[:, None]))
+  # The trainer's log-probs of the sampled tokens equal the sampler's (same temperature,
+  # positions and layout): old_logp == rollout_logp on-policy.
+  old = np.asarray(learner.compute_logprobs(params, tb))
+  roll = np.asarray(batch.rollout_logp)
+  assert np.max(np.abs(old - roll)[mask > 0]) < 1e-4
+  assert not roll[mask == 0].any() and (roll[mask > 0] <= 0).all()
+
+
 def test_rl_step_equals_host_iteration():
   config, task, mesh, model_config, params, sampler, logprobs, kwargs = _setup()
   config = _config()
@@ -103,6 +141,9 @@ def test_rl_step_equals_host_iteration():
     _state(config, params, model_config, mesh), ref, rollout, examples, rng
   )
   assert 0 < host_metrics["reward_mean"] < 1, "the test needs non-zero advantages"
+  _check_batch_independently(batch, examples, task, learner, ref, kwargs)
+  assert host_metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # on-policy first update
+  assert abs(host_metrics["mismatch_k1"]) < 1e-5
   rl_step = rl.make_rl_step(learner, sampler)
   fused_state, fused_metrics = rl_step.from_examples(
     _state(config, params, model_config, mesh), ref, examples, rng
