@@ -165,8 +165,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     restored = ckpt.restore(abstract)
     state, cursor = restored.state, restored.data_cursor
     rollout_buffer = (restored.extra or {}).get("rollout_buffer")
+    best_params = (restored.extra or {}).get("best_params")
   else:
     rollout_buffer = None
+    best_params = None
     state = start_state
     cursor = {
       "source": None,
@@ -269,6 +271,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       dev_accuracy = evaluate(state.params, dev)
       log.write({"phase": "eval", "iteration": iteration, "dev_accuracy": dev_accuracy})
       record["dev_accuracy"] = dev_accuracy
+      best_dev = cursor.get("best_dev_accuracy")
+      if best_dev is None or dev_accuracy > best_dev:  # model selection on the dev split
+        best_params = jax.tree.map(lambda x: np.array(x, copy=True), state.params)
+        cursor = {**cursor, "best_dev_accuracy": dev_accuracy, "best_iteration": iteration}
     log.write(record)
     rl_time += time.perf_counter() - t0
     if config.rl.target_dev_accuracy and dev_accuracy is not None:
@@ -294,8 +300,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         "rl_time_s": rl_time,
         "elapsed_s": elapsed_before + time.perf_counter() - wall_start,
         "stop": stop_reason,
+        "best_dev_accuracy": cursor.get("best_dev_accuracy"),
+        "best_iteration": cursor.get("best_iteration"),
       }
       extra = {"rng": np.asarray(base_key)}
+      if best_params is not None:
+        extra["best_params"] = best_params
       if partial:
         extra["rollout_buffer"] = partial_rollout.state_dict()
       ckpt.save(iteration, state, data_cursor=cursor, extra=extra, force=True)
@@ -305,6 +315,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   ckpt.close()
 
   accuracy_after = evaluate(state.params, test)
+  accuracy_best_dev = accuracy_after
+  if best_params is not None and cursor.get("best_iteration") != int(cursor["iteration"]):
+    accuracy_best_dev = evaluate(train.shard_params(best_params, model_config, mesh), test)
   accuracy_before = float(warm_info["test_accuracy"])
   plots = []
   if config.log.plots:
@@ -319,6 +332,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     "accuracy_before": accuracy_before,
     "accuracy_after": accuracy_after,
     "improvement_points": 100.0 * (accuracy_after - accuracy_before),
+    # Test accuracy of the RL checkpoint with the best dev accuracy (model
+    # selection on the dev split; equals accuracy_after when that is the last).
+    "accuracy_best_dev": accuracy_best_dev,
+    "improvement_points_best_dev": 100.0 * (accuracy_best_dev - accuracy_before),
+    "best_dev_accuracy": cursor.get("best_dev_accuracy"),
+    "best_dev_iteration": cursor.get("best_iteration"),
     "iterations": int(cursor["iteration"]),
     "stop_reason": stop_reason,
     "warmup_steps": warm_info["steps"],
@@ -351,6 +370,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     ("held-out greedy accuracy, after warm-up (before RL)", f"{summary['accuracy_before']:.3f}"),
     ("held-out greedy accuracy, after RL", f"{summary['accuracy_after']:.3f}"),
     ("improvement (points)", f"{summary['improvement_points']:+.1f}"),
+    (
+      f"held-out accuracy, best-dev RL checkpoint (iter {summary['best_dev_iteration']})",
+      f"{summary['accuracy_best_dev']:.3f}",
+    ),
     (
       "warm-up steps (dev accuracy reached)",
       f"{summary['warmup_steps']} ({summary['warmup_dev_accuracy']})",
