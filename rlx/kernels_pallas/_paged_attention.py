@@ -282,6 +282,85 @@ def _paged_attention_gpu(
 
 
 # ------------------------------------------------------------------------------------------
+# XLA path (CPU): blocked online softmax over the live pages only
+# ------------------------------------------------------------------------------------------
+
+# Tokens per loop step of the XLA path when `pages_per_compute_block` is None.
+_XLA_TOKENS_PER_BLOCK = 256
+
+
+def _paged_attention_xla(
+  q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, *, sm_scale, pages_per_block
+):
+  """Paged attention in XLA ops: a loop over page-table blocks with an online softmax.
+
+  Each step gathers `pages_per_block` pages of every sequence (`[B, Hkv, T, D]`,
+  T = pages_per_block * page_size) and folds them into a float32 running max /
+  denominator / accumulator (Milakov & Gimelshein, https://arxiv.org/abs/1805.02867),
+  the scheme of the Pallas kernels. The loop stops after the block holding the
+  longest sequence's last token, so the bytes read follow the live tokens, not the
+  page-table width. Positions >= lengths[b] are zeroed with `where` before the dots
+  (garbage, even NaN, never reaches the output); a row with length 0 yields zeros.
+  Inputs validated; lengths already clamped into [0, capacity]; scales f32[Hkv].
+  """
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, total_pages, page_size, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  pages_per_sequence = page_table.shape[1]
+  bp = max(1, min(pages_per_block, pages_per_sequence))
+  num_blocks = -(-pages_per_sequence // bp)
+  tokens = bp * page_size
+  table = jnp.clip(page_table, 0, total_pages - 1)
+  table = jnp.pad(table, ((0, 0), (0, num_blocks * bp - pages_per_sequence)))
+  qf = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim) * sm_scale
+  hp = lax.Precision.HIGHEST
+  live_blocks = (jnp.max(lengths) + tokens - 1) // tokens
+
+  # Gather straight into the dots' layout [B, Hkv, bp, page, D] (batch dims leading):
+  # one [Hkv, 1, page, D] slice of the pool per (sequence, page) index, no transpose.
+  dnums = lax.GatherDimensionNumbers(
+    offset_dims=(1, 3, 4), collapsed_slice_dims=(1,), start_index_map=(1,)
+  )
+
+  def gather(pages, cols, scale, valid):
+    x = lax.gather(
+      pages, cols[..., None], dnums, (num_kv_heads, 1, page_size, head_dim),
+      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )  # fmt: skip
+    x = x.astype(jnp.float32).reshape(batch, num_kv_heads, tokens, head_dim)
+    return jnp.where(valid[:, None, :, None], x * scale[None, :, None, None], 0.0)
+
+  def body(j, carry):
+    m, denom, acc = carry
+    cols = lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1)  # [B, bp]
+    valid = (j * tokens + jnp.arange(tokens))[None, :] < lengths[:, None]  # [B, T]
+    k = gather(k_pages, cols, k_scale, valid)
+    v = gather(v_pages, cols, v_scale, valid)
+    logits = jnp.einsum("bhgd,bhtd->bhgt", qf, k, precision=hp)
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    m_new = jnp.maximum(m, logits.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all masked so far: keep zeros
+    p = jnp.exp(logits - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    denom = denom * alpha + p.sum(axis=-1)
+    acc = acc * alpha[..., None] + jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=hp)
+    return m_new, denom, acc
+
+  shape = (batch, num_kv_heads, group)
+  init = (
+    jnp.full(shape, -jnp.inf, jnp.float32),
+    jnp.zeros(shape, jnp.float32),
+    jnp.zeros((*shape, head_dim), jnp.float32),
+  )
+  if num_blocks == 1:  # one block: straight-line code, no loop
+    _, denom, acc = body(0, init)
+  else:
+    _, denom, acc = lax.fori_loop(0, jnp.minimum(live_blocks, num_blocks), body, init)
+  out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+  return out.reshape(batch, num_heads, head_dim)
+
+
+# ------------------------------------------------------------------------------------------
 # Public wrapper: validation and dispatch
 # ------------------------------------------------------------------------------------------
 
@@ -421,9 +500,11 @@ def _paged_attention_jit(
   # its zero-padded table entries as if they were real pages.
   lengths = jnp.clip(lengths, 0, page_table.shape[1] * page_size)
   if impl == "xla":  # same output dtype as the kernels (q's), whatever the backend
-    out = _reference_math(
-      q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale
-    )
+    out = _paged_attention_xla(
+      q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale,
+      pages_per_block=block_sizes.pages_per_compute_block
+      or max(1, _XLA_TOKENS_PER_BLOCK // page_size),
+    )  # fmt: skip
     return out.astype(q.dtype)
   page_table = _sanitize_page_table(page_table, lengths, page_size, total_pages)
   scales = jnp.stack([k_scale, v_scale], axis=1)  # [Hkv, 2]
@@ -474,7 +555,7 @@ def paged_attention(
   Implementations (`impl`), chosen by where the inputs live (the platform of the
   concrete arrays' devices; under `jit`, the default device / backend):
     "auto": Pallas on GPU ("pallas_gpu") and TPU ("pallas_tpu"); elsewhere (CPU)
-      the XLA reference math ("xla").
+      the XLA path ("xla").
     "pallas": the Pallas kernel of that platform; on CPU the GPU-style kernel
       with `interpret=True`, the TPU kernel with
       `interpret=pltpu.InterpretParams()`.
@@ -488,7 +569,12 @@ def paged_attention(
       page table are scalar-prefetched into SMEM and drive the BlockSpec index
       maps, so each grid step DMAs `pages_per_compute_block` pages). Runs on
       CPU with `interpret=pltpu.InterpretParams()`.
-    "xla": pure-jnp reference math (float32).
+    "xla": XLA ops, float32: a loop over blocks of `pages_per_compute_block`
+      pages (default 256 tokens) with an online softmax, each step gathering one
+      block of every sequence in the dots' `[B, Hkv, T, D]` layout; it stops
+      after the longest sequence's last block, so a step's bytes follow the
+      live tokens rather than the page-table width (the CPU path; equal to
+      `paged_attention_reference` up to float32 rounding).
   K/V positions >= lengths[b] (and pages past the last used one) are masked with
   `where` before any dot, so garbage there, even NaN, never reaches the output.
   Under `jit` lengths cannot be checked; a row with length 0 (an idle sampler

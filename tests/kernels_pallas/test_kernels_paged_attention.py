@@ -47,7 +47,11 @@ CASES = [
 # bf16/FP8 cases use bf16 queries, and the kernels feed bf16 probabilities to the
 # P.V dot (Triton dots need equal operand dtypes): error ~ 2^-8 relative.
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float8_e4m3fn": 2e-2, "float8_e5m2": 2e-2}
-KERNELS = {"gpu": ("pallas_gpu", True), "tpu": ("pallas_tpu", pltpu.InterpretParams())}
+KERNELS = {
+  "gpu": ("pallas_gpu", True),
+  "tpu": ("pallas_tpu", pltpu.InterpretParams()),
+  "xla": ("xla", False),  # blocked online softmax over the live pages (the CPU path)
+}
 
 NUM_KV_HEADS = 2
 PAGES_PER_SEQUENCE = 3
@@ -134,6 +138,36 @@ def test_kernel_matches_reference(kernel, dtype, gqa, page_size, head_dim, block
   np.testing.assert_allclose(
     np.asarray(got.astype(jnp.float32)), np.asarray(want), atol=TOLERANCE[dtype], rtol=0
   )
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 2, 4])
+def test_xla_path_stops_at_the_longest_live_sequence(pages_per_block):
+  # Every sequence shorter than the table: the loop stops early, so NaN in the pages
+  # past the longest sequence (table entries there point at NaN pages) is never read.
+  q, kp, vp, _, table, _, _ = make_inputs("float32", 4, 16, 64, seed=11)
+  capacity = PAGES_PER_SEQUENCE * 16
+  for lengths in ([1, 3, 16, 17], [5, 0, 9, 2], [capacity, 1, 30, 33]):
+    lengths = jnp.asarray(lengths, jnp.int32)
+    used = np.zeros(kp.shape[1], bool)
+    for b, length in enumerate(np.asarray(lengths)):
+      used[np.asarray(table)[b, : -(-int(length) // 16)]] = True
+    dirty = [jnp.where(jnp.asarray(used)[None, :, None, None], x, jnp.nan) for x in (kp, vp)]
+    run = jax.jit(
+      lambda lengths, kp, vp: paged_attention(
+        q,
+        kp,
+        vp,
+        lengths,
+        table,
+        impl="xla",
+        block_sizes=PagedAttentionBlockSizes(pages_per_compute_block=pages_per_block),
+      )  # fmt: skip
+    )
+    got = np.asarray(run(lengths, *dirty))
+    want = np.asarray(paged_attention_reference(q, kp, vp, jnp.maximum(lengths, 1), table))
+    live = np.asarray(lengths) > 0
+    np.testing.assert_allclose(got[live], want[live], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(got[~live], 0.0)
 
 
 def _with_nan_garbage(args):
@@ -258,14 +292,15 @@ def test_changing_scale_values_does_not_recompile():
   assert not np.allclose(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
 
 
-def test_auto_on_cpu_is_reference_and_works_under_jit():
+def test_auto_on_cpu_is_the_xla_path_and_works_under_jit():
   q, kp, vp, lengths, table, _, _ = make_inputs("float32", 4, 16, 64, seed=6)
   want = paged_attention_reference(q, kp, vp, lengths, table)
+  # Online softmax in another summation order than the reference: equal to f32 rounding.
   got = jax.jit(lambda *a: paged_attention(*a))(q, kp, vp, lengths, table)  # traced lengths
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE["float32"], rtol=0)
   got = paged_attention(q, kp, vp, lengths, table, sm_scale=0.5)
   want = paged_attention_reference(q, kp, vp, lengths, table, sm_scale=0.5)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE["float32"], rtol=0)
   # Regression: the XLA path returned float32 for bf16 q (the kernels return q's dtype),
   # so the output dtype depended on the backend.
   got = paged_attention(q.astype(jnp.bfloat16), kp, vp, lengths, table)
