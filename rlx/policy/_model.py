@@ -769,6 +769,7 @@ def layer_scan(
   cache: Any = None,
   segment_ids: Int[Array, "B S"] | None = None,
   layer_params_fn: LayerParamsFn | None = None,
+  unroll: bool = False,
 ) -> tuple[Float[Array, "B S D"], Any]:
   """The decoder blocks, one `lax.scan` over the stacked layers; the one layer loop of rlx.
 
@@ -801,10 +802,21 @@ def layer_scan(
     cache: the initial cache pytree (None: no cache).
     segment_ids: i32[B, S] or None, handed to `attention_fn`.
     layer_params_fn: optional per-layer parameter hook, as in `forward`.
+    unroll: False: one `lax.scan` (one traced block, fast compiles; training).
+      True: a Python loop over the static layer indices (L traced blocks; the
+      index handed to `attention_fn` is a constant int32 scalar). Each block
+      then reads static slices of the stacked weights, which XLA can hoist out
+      of an enclosing loop (e.g. the sampler's decode `while_loop`) instead of
+      copying every layer's weights out of the stack with dynamic slices on
+      every step. Same math either way. With unroll=True, `params["layers"]`
+      may also be a list of the L per-layer trees (e.g. sliced once before a
+      decode loop, so the loop body reads them in place).
 
   Returns:
     (x [B, S, D] after the last block, before the final norm; the final cache).
   """
+  if not isinstance(unroll, (bool, np.bool_)):
+    raise ValueError(f"`unroll` must be a bool, got {type(unroll).__name__}.")
   hook = _layer_params_hook(layer_params_fn, config) if layer_params_fn is not None else None
 
   def block(carry, inputs):
@@ -822,6 +834,22 @@ def layer_scan(
     # Save only matmul outputs: the hook's outputs (e.g. gathered weights) and
     # everything computed from them without a matmul are recomputed.
     block = jax.checkpoint(block, prevent_cse=False, policy=jax.checkpoint_policies.dots_saveable)
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    if not unroll or len(layers) != config.num_layers:
+      raise ValueError(
+        f"`params['layers']` as a list of per-layer trees needs unroll=True and "
+        f"{config.num_layers} entries, got {len(layers)} with unroll={unroll}."
+      )
+  if unroll:
+    carry = (x, cache)
+    for i in range(config.num_layers):
+      if isinstance(layers, (list, tuple)):
+        layer = layers[i]
+      else:
+        layer = jax.tree.map(lambda a, i=i: a[i], layers)
+      carry, _ = block(carry, (layer, jnp.int32(i)))
+    return carry
   indices = jnp.arange(config.num_layers, dtype=jnp.int32)
   (x, cache), _ = jax.lax.scan(block, (x, cache), (params["layers"], indices))
   return x, cache

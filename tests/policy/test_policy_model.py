@@ -324,6 +324,39 @@ def test_layer_scan_cache_in_carry_and_checks(models):
   np.testing.assert_allclose(policy.final_norm(params, config, out), hidden, atol=1e-5)
 
 
+def test_layer_scan_unrolled_equals_the_scan(models):
+  """unroll=True (stacked or per-layer list weights) runs the same math, static layer ids."""
+  config, params = models["qwen2"]
+  tokens = _tokens(2, 5, seed=6)
+  x = policy.embed(params, config, tokens)
+  positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  seen = []
+
+  def hook(i, q, k, v, cache, *, positions, segment_ids):
+    seen.append(i)
+    return policy.dense_causal_attention(q, k, v), cache.at[i].add(i + 1)
+
+  run = lambda p, unroll: policy.layer_scan(
+    p, config, x, positions, attention_fn=hook, cache=jnp.zeros(config.num_layers),
+    unroll=unroll,
+  )  # fmt: skip
+  want, want_cache = run(params, False)
+  got, cache = run(params, True)
+  ids = [int(i) for i in seen[1 : 1 + config.num_layers]]  # constants, in order
+  assert ids == list(range(config.num_layers))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(cache, want_cache)
+  layers = [policy.get_layer(params, i) for i in range(config.num_layers)]
+  got_list, _ = run({**params, "layers": layers}, True)
+  np.testing.assert_allclose(got_list, got, atol=1e-6)
+  with pytest.raises(ValueError, match="unroll=True"):
+    run({**params, "layers": layers}, False)
+  with pytest.raises(ValueError, match="entries"):
+    run({**params, "layers": layers[:-1]}, True)
+  with pytest.raises(ValueError, match="`unroll` must be a bool"):
+    run(params, 2)
+
+
 def test_kv_absmax_matches_per_layer_computation(models):
   config, params = models["qwen3"]
   tokens = _tokens(2, 5, seed=4)
