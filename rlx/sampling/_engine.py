@@ -109,6 +109,10 @@ def empty_slots(num_slots: int, max_new_tokens: int) -> SlotState:
   )
 
 
+# Deepest model whose decode step is unrolled over its layers (see `Engine`).
+_UNROLL_MAX_LAYERS = 16
+
+
 def stop_id_slots(num_stop_ids: int) -> int:
   """Stop ids are padded with -1 to a multiple of 8, at least 8 (0..8 stop ids share a compile)."""
   return max(1, -(-num_stop_ids // 8)) * 8
@@ -155,6 +159,9 @@ class Engine:
     self.pages_per_sequence = config.pages_per_sequence
     self.greedy = config.temperature == 0.0
     self.use_top_p = config.top_p < 1.0
+    # Decode runs its layers unrolled (static weight slices, hoisted out of the decode
+    # loop) up to this depth; deeper models keep the one-block scan (compile time).
+    self._unroll = model_config.num_layers <= _UNROLL_MAX_LAYERS
     self._batch_axes = None
     self._tensor_axis = None
     if mesh is not None:
@@ -368,7 +375,9 @@ class Engine:
       return out[:, None], KVPool(kp, vp)
 
     x = policy.embed(params, model, slots.last_token[:, None])
-    x, pool = policy.layer_scan(params, model, x, length[:, None], attention_fn=hook, cache=pool)
+    x, pool = policy.layer_scan(
+      params, model, x, length[:, None], attention_fn=hook, cache=pool, unroll=self._unroll
+    )
     hidden = policy.final_norm(params, model, x[:, 0])
     logits = policy.logits_from_hidden(params, model, hidden)  # f32[S, V]
     keys = sample_keys(rng, slots.prompt_index, slots.sample_index, slots.num_generated)
@@ -414,6 +423,12 @@ class Engine:
     max_steps, exit_after = knobs.max_steps, knobs.exit_after
     num_slots = slots.active.shape[0]
     num_pages = pages.refcount.shape[0]
+    if self._unroll:
+      # Slice the stacked layer weights once per window, outside the loop: the step's
+      # unrolled layers then read them in place instead of copying them every step.
+      stacked = params["layers"]
+      layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.model.num_layers)]
+      params = {**params, "layers": layers}
 
     def cond(carry):
       _, _, slots, step, blocked, finished, _ = carry
