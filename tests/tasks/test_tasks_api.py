@@ -240,7 +240,7 @@ def test_custom_task_argument_errors():
   with pytest.raises(ValueError, match="'echo': `max_answer_len` must be an int >= 1"):
     tasks.task_from_examples("echo", ok, lambda c, a: 0.0, tok, max_answer_len=0)
   bad_prompt = {"train": [{"prompt": "x", "answer": "a"}]}
-  with pytest.raises(ValueError, match=r"'echo': cannot tokenize 'x': characters \['x'\]"):
+  with pytest.raises(ValueError, match=r"'echo': cannot tokenize 'x': .*characters \['x'\]"):
     tasks.task_from_examples("echo", bad_prompt, lambda c, a: 0.0, tok, max_answer_len=2)
   with pytest.raises(ValueError, match="'echo': jax_reward must be callable"):
     tasks.task_from_examples("echo", ok, lambda c, a: 0.0, tok, jax_reward=3)
