@@ -18,3 +18,7 @@ def test_readme_tour_runs(capsys):
   out = capsys.readouterr().out
   assert "'loss'" in out and "'grad_norm'" in out
   assert int(namespace["keep"].sum()) == 4  # one pivot dropped per group of 3
+  sampled = namespace["out"]
+  assert sampled.tokens.shape == (8, 12)
+  assert list(sampled.prompt_index) == [0, 0, 0, 0, 1, 1, 1, 1]
+  assert "(8, 12) [0 0 0 0 1 1 1 1]" in out
