@@ -33,20 +33,30 @@ stacked page pool in its carry and `rlx.kernels_pallas.paged_attention` /
 side) and `rlx.sampling._sampler` (scheduling, prefix sharing, preemption).
 """
 
-from rlx.sampling._config import KV_DTYPES as KV_DTYPES
-from rlx.sampling._config import WEIGHT_DTYPES as WEIGHT_DTYPES
-from rlx.sampling._config import SamplerConfig as SamplerConfig
-from rlx.sampling._fp8 import K_HEADROOM as K_HEADROOM
-from rlx.sampling._fp8 import V_HEADROOM as V_HEADROOM
-from rlx.sampling._fp8 import calibrate_kv_scales as calibrate_kv_scales
-from rlx.sampling._fp8 import kv_scales_from_absmax as kv_scales_from_absmax
-from rlx.sampling._fp8 import quantize_params as quantize_params
-from rlx.sampling._partial import PartialRollouts as PartialRollouts
-from rlx.sampling._partial import RolloutEngine as RolloutEngine
-from rlx.sampling._sample import sample_keys as sample_keys
-from rlx.sampling._sample import sample_tokens as sample_tokens
-from rlx.sampling._sampler import Completions as Completions
-from rlx.sampling._sampler import Sampler as Sampler
+from rlx.sampling._config import (
+  KV_DTYPES,
+  WEIGHT_DTYPES,
+  SamplerConfig,
+)
+from rlx.sampling._fp8 import (
+  K_HEADROOM,
+  V_HEADROOM,
+  calibrate_kv_scales,
+  kv_scales_from_absmax,
+  quantize_params,
+)
+from rlx.sampling._partial import (
+  PartialRollouts,
+  RolloutEngine,
+)
+from rlx.sampling._sample import (
+  sample_keys,
+  sample_tokens,
+)
+from rlx.sampling._sampler import (
+  Completions,
+  Sampler,
+)
 
 __all__ = (
   "KV_DTYPES",

@@ -52,6 +52,7 @@ PUBLIC = (
 def test_public_names():
   exported = {n for n in dir(policy) if not n.startswith("_")}
   assert exported == set(PUBLIC)
+  assert set(policy.__all__) == set(PUBLIC) and len(policy.__all__) == len(PUBLIC)
 
 
 def test_contract_signatures():
