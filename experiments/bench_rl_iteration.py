@@ -28,6 +28,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -73,15 +74,18 @@ def main(argv):
   host = {"rollout": [], "reward": [], "logp": [], "train": [], "total": []}
   fused = []
   host_state, fused_state = fresh_state(), fresh_state()
+  # With a KL term the reference policy is the starting point (the run's
+  # warmed-up params); both variants then compute `ref_logp` every iteration.
+  ref_params = jax.tree.map(jnp.copy, host_state.params) if learner.uses_ref else None
   compile_host = compile_fused = 0.0
   # The two variants alternate iteration by iteration, so a change in machine
   # load hits both alike (the ratio is measured side by side).
   for i, examples in enumerate(batches):
     rng = jax.random.fold_in(key, i)
     t0 = time.perf_counter()
-    host_state, m, _ = learner.iteration(host_state, None, rollout, examples, rng)
+    host_state, m, _ = learner.iteration(host_state, ref_params, rollout, examples, rng)
     t1 = time.perf_counter()
-    fused_state, fm = rl_step.from_examples(fused_state, None, examples, rng)
+    fused_state, fm = rl_step.from_examples(fused_state, ref_params, examples, rng)
     jax.block_until_ready(fm)
     t2 = time.perf_counter()
     if i < _WARMUP.value:
@@ -100,7 +104,7 @@ def main(argv):
   lines = [
     f"RL iteration on {config.task.name} ({n} prompts x {k} samples = {rows} rows, "
     f"<= {kwargs['max_new_tokens']} new tokens, loss {config.train.loss}, "
-    f"{config.train.mini_batches} update(s)/iteration), {jax.devices()[0].platform} "
+    f"{config.train.mini_batches} update(s)/iteration, KL coef {config.train.kl_coef}), {jax.devices()[0].platform} "
     f"x{mesh.size}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}; "
     f"medians of {_ITERATIONS.value} iterations after {_WARMUP.value} compiling ones.",
     "",
