@@ -1,13 +1,59 @@
-"""Test session setup.
+"""Test session setup and shared fixtures.
 
 Eight fake CPU devices are requested before JAX is imported anywhere, so the
 sharding tests can build real meshes on a CPU-only machine. Single-device
-tests are unaffected (they use the default device).
+tests are unaffected (they use the default device). The tokenizer fixtures
+write a tiny HF tokenizer directory (byte-level BPE, chat template) in the
+test: no download.
 """
 
+import json
 import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402 (after the XLA flags)
+import tokenizers  # noqa: E402
+from tokenizers import models, pre_tokenizers, trainers  # noqa: E402
+
+CHAT_TEMPLATE = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _write_tokenizer(directory, *, chat_template=CHAT_TEMPLATE):
+  tok = tokenizers.Tokenizer(models.BPE(unk_token=None))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  corpus = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many.",
+    "How many clips did Natalia sell altogether? #### 72 \\boxed{72} the answer is 1,234.5",
+    "Let's think step by step and output the final answer after",
+  ] * 10
+  tok.train_from_iterator(corpus, trainer)
+  tok.save(str(directory / "tokenizer.json"))
+  config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+  if chat_template is not None:
+    config["chat_template"] = chat_template
+  (directory / "tokenizer_config.json").write_text(json.dumps(config))
+  (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+  return directory
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory):
+  return _write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def plain_tokenizer_dir(tmp_path_factory):
+  """The same vocabulary without a chat template (a base model)."""
+  return _write_tokenizer(tmp_path_factory.mktemp("tok_plain"), chat_template=None)
