@@ -8,6 +8,10 @@ Pieces, for a custom loop:
   state, metrics, batch = learner.iteration(state, ref_params, rollout, examples, rng)
   rl_step = make_rl_step(learner, sampler)                  # the same iteration as ONE jit
   state, metrics = rl_step.from_examples(state, ref_params, examples, rng)
+
+FP8 rollout (config.rollout.weight_dtype / kv_dtype): SyncRollout over an FP8
+sampler holds an `Fp8Refresh` (`rollout.fp8`): the rollout params and KV
+scales, re-quantized / recalibrated by `Learner.iteration` after every update.
 """
 
 from rlx.rl._advantages import (
@@ -44,6 +48,7 @@ from rlx.rl._logging import (
   read_metrics,
 )
 from rlx.rl._rollout import (
+  Fp8Refresh,
   Rollout,
   SyncRollout,
   make_sampler,
@@ -73,6 +78,7 @@ from rlx.rl._warmup import (
 __all__ = (
   "BASELINES",
   "FINISH_REASONS",
+  "Fp8Refresh",
   "Learner",
   "MetricsLog",
   "PromptSource",

@@ -14,6 +14,10 @@ from rlx import objectives, train
 
 BASELINES = ("grpo", "drgrpo", "rloo", "median")
 ROLLOUTS = ("sync",)
+# rollout.weight_dtype / rollout.kv_dtype choices (rlx.sampling.SamplerConfig's).
+WEIGHT_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("float32", "bfloat16", "auto", "fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -62,7 +66,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.page_size = 8  # tokens per KV page
   c.sampler.num_pages = 0  # page pool size; 0 = enough for every slot at full length
   c.sampler.max_new_tokens = 0  # 0 = the task's max_answer_len
-  c.sampler.kv_dtype = "float32"  # KV cache dtype ("float32" | "bfloat16" | fp8 kinds)
   c.sampler.top_k = 0  # 0 = no top-k truncation
   c.sampler.top_p = 1.0  # 1.0 = no nucleus truncation
   c.sampler.steps_per_sync = 16  # decode steps per device loop between host syncs
@@ -77,6 +80,29 @@ def get_config() -> ml_collections.ConfigDict:
   # is checkpointed). 1.0 = synchronous (Sampler.generate every iteration).
   # Partial rollouts run the host-driven iteration (rl.fused is ignored).
   c.rollout.over_provision = 1.0
+  # FP8 rollout (rlx.sampling.SamplerConfig weight_dtype / kv_dtype). The
+  # trainer, its log-probs (old_logp) and the greedy evaluation keep the
+  # high-precision params; only the rollout sampler runs FP8.
+  # weight_dtype: "auto" = the params as they are | "fp8_e4m3" | "fp8_e5m2":
+  # every decoder linear runs W8A8 with 128x128 weight blocks (embeddings and
+  # LM head stay high precision), re-quantized on device after every update
+  # (rlx.sampling.quantize_params; params are traced, nothing recompiles).
+  c.rollout.weight_dtype = "auto"
+  # KV cache dtype of the rollout sampler: "float32" | "bfloat16" | "auto"
+  # (the model's compute dtype) | "fp8_e4m3" | "fp8_e5m2". FP8 KV uses
+  # per-layer, per-KV-head scales recalibrated after every update from the
+  # trainer's own forward over the batch it just trained on
+  # (rlx.sampling.calibrate_kv_scales, vLLM's headroom K 200 / V 100; before
+  # the first update: over the first rl.prompts_per_iteration prompts of the
+  # train split); they are checkpointed. The greedy evaluation uses "auto" instead of an FP8 dtype.
+  # With FP8 on, the train step's mismatch_k1 / mismatch_k3 metrics are the
+  # FP8-vs-high-precision log-prob mismatch (rollout_logp from the FP8
+  # sampler vs the trainer's old_logp; plus staleness with partial rollouts),
+  # and train.use_rollout_correction corrects it (e.g. token TIS). Each
+  # refresh's cost is the metric time/refresh_s; in the fused rl_step the
+  # refresh runs inside the one compiled program (not timed separately).
+  # (A config that still sets `sampler.kv_dtype` is read as this field.)
+  c.rollout.kv_dtype = "float32"
 
   # --- the train step (rlx.train.get_config(); its fields, see there) ---
   c.train = train.get_config()
@@ -100,6 +126,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Run each iteration as ONE jitted function (rlx.rl.make_rl_step: sample ->
   # JAX reward -> advantages -> log-probs -> update) when the task has a JAX
   # reward and the batch fits the sampler's slots; otherwise host-driven.
+  # FP8 rollout works in both (the fused step quantizes and recalibrates
+  # inside its one program).
   c.rl.fused = True
   # Where rewards are computed: "auto" = on device with the task's jax_reward
   # when it has one, else on host; "jax" requires a jax_reward; "host" always
@@ -161,6 +189,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       f"`config.rollout.over_provision` must be a finite number >= 1 (1 = synchronous), "
       f"got {over!r}."
     )
+  _choice(config.rollout.weight_dtype, WEIGHT_DTYPES, "config.rollout.weight_dtype")
+  kv_dtype(config)
   _choice(rl.reward, ("auto", "jax", "host"), "config.rl.reward")
   _choice(config.warmup.on_cap, ("raise", "warn"), "config.warmup.on_cap")
   g = rl.num_samples
@@ -207,6 +237,30 @@ def train_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
   cfg = ml_collections.ConfigDict(config.train.to_dict())
   cfg.temperature = float(config.rl.temperature)
   return cfg
+
+
+def kv_dtype(config: ml_collections.ConfigDict) -> str:
+  """The rollout KV dtype: `config.rollout.kv_dtype` (or a legacy `config.sampler.kv_dtype`).
+
+  Raises:
+    ValueError: an unknown dtype, or both fields set to different values.
+  """
+  value = config.rollout.kv_dtype
+  legacy = config.sampler.get("kv_dtype") if "kv_dtype" in config.sampler else None
+  if legacy is not None and legacy != value:
+    if value != "float32":
+      raise ValueError(
+        f"`config.sampler.kv_dtype`={legacy!r} and `config.rollout.kv_dtype`={value!r} "
+        "disagree; the KV dtype is `config.rollout.kv_dtype` (remove the sampler field)."
+      )
+    value = legacy
+  _choice(value, KV_DTYPES, "config.rollout.kv_dtype")
+  return str(value)
+
+
+def fp8_rollout(config: ml_collections.ConfigDict) -> bool:
+  """Whether the rollout sampler runs FP8 weights or an FP8 KV cache."""
+  return config.rollout.weight_dtype in FP8_DTYPES or kv_dtype(config) in FP8_DTYPES
 
 
 def samples_per_prompt(config: ml_collections.ConfigDict) -> int:

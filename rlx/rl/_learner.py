@@ -136,7 +136,10 @@ class Learner:
     """One host-driven iteration; returns (state, host metrics, the rollout batch).
 
     Metrics include the phase times `time/rollout_s`, `time/reward_s`,
-    `time/logp_s`, `time/train_s` (each phase waited for on host).
+    `time/logp_s`, `time/train_s` (each phase waited for on host). A rollout
+    with a `refresh(params, batch) -> seconds` (FP8 rollout: re-quantize the
+    weights, recalibrate the KV scales on this batch) is refreshed with the
+    updated params after the train step: `time/refresh_s`.
     """
     t0 = time.perf_counter()
     version = int(train.to_host(state.step))
@@ -160,6 +163,9 @@ class Learner:
     state, train_metrics = self.train_step(state, tb)
     jax.block_until_ready(state.params)
     t4 = time.perf_counter()
+    refresh = getattr(rollout, "refresh", None)
+    refresh_s = None if refresh is None else float(refresh(state.params, batch))
+    t5 = time.perf_counter()
     metrics = {k: float(v) for k, v in train.to_host(self._metrics(batch, batch.rewards)).items()}
     metrics.update(_host_floats(train_metrics))
     metrics.update(
@@ -168,9 +174,11 @@ class Learner:
         "time/reward_s": t2 - t1,
         "time/logp_s": t3 - t2,
         "time/train_s": t4 - t3,
-        "time/iteration_s": t4 - t0,
+        "time/iteration_s": t5 - t0,
       }
     )
+    if refresh_s is not None:
+      metrics["time/refresh_s"] = refresh_s
     return state, metrics, batch
 
 
@@ -188,12 +196,15 @@ class RLStep:
 
   From `make_rl_step`: the whole iteration as one jitted function that
   donates `state`. Returns `(state, metrics)` with device scalar metrics.
+  With FP8 KV (`fp8.kv_fp8`) the jitted function also takes this step's KV
+  scales and returns the recalibrated ones, kept in `fp8.kv_scales`.
   """
 
-  def __init__(self, jitted: Any, learner: Learner, width: int):
+  def __init__(self, jitted: Any, learner: Learner, width: int, fp8: Any = None):
     self.jitted = jitted
     self.learner = learner
     self.width = width
+    self.fp8 = fp8
 
   def __call__(
     self, state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
@@ -208,9 +219,17 @@ class RLStep:
       )
     if np.shape(answer_ids)[0] != n:
       raise ValueError(f"`answer_ids` must have {n} rows, got {np.shape(answer_ids)}.")
-    return self.jitted(
-      state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
+    if self.fp8 is None:
+      return self.jitted(
+        state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
+      )
+    scales = self.fp8.generate_kwargs().get("kv_scales")
+    state, metrics, scales = self.jitted(
+      state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng, scales
     )
+    if self.fp8.kv_fp8:
+      self.fp8.kv_scales = scales
+    return state, metrics
 
   def from_examples(self, state, ref_params, examples: Sequence[Any], rng):
     """Calls the step on a list of task examples (padding prompts and answers)."""
@@ -219,7 +238,7 @@ class RLStep:
     return self(state, ref_params, tokens, lengths, ids, alen, rng)
 
 
-def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
+def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
   """The whole iteration — sample, JAX reward, advantages, log-probs, update — as ONE jit.
 
   Needs a task with a `jax_reward` and a batch that fits the sampler's slots
@@ -228,11 +247,23 @@ def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
   sampling and the update. It computes the same function as
   `Learner.iteration` with a `SyncRollout` over the same sampler and rng.
 
+  FP8 rollout (the sampler's `weight_dtype` / `kv_dtype` FP8): the refresh
+  runs inside the same program: the rollout params are quantized from
+  `state.params` at the start (`rlx.sampling.quantize_params`), the sampler
+  decodes with the KV scales of the previous refresh, and after the update
+  the scales are recalibrated from the new params' forward over this batch
+  (`rlx.sampling.calibrate_kv_scales`); the same as `Learner.iteration`
+  with a `SyncRollout` sharing the `Fp8Refresh`.
+
   Args:
     learner: the `Learner` (config, train step, log-probs).
     sampler: an `rlx.sampling.Sampler` with `generate_fn(params,
       prompt_tokens i32[N, P], prompt_lengths i32[N], rng) -> (tokens
       i32[N, T], logprobs f32[N, T], lengths i32[N], stopped bool[N])`.
+    fp8: the `rlx.rl` `Fp8Refresh` holding the KV scales between steps
+      (made from the sampler's config when it is FP8 and none is given; its
+      scales must be calibrated before the first call, e.g.
+      `fp8.calibrate_prompts`).
 
   Returns:
     An `RLStep`.
@@ -245,8 +276,12 @@ def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
   k = learner.group_size
   uses_ref = learner.uses_ref
   width = int(sampler.config.max_prompt_len)
+  if fp8 is None:
+    fp8 = _rollout.make_fp8_refresh(sampler)
 
-  def step(state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng):
+  def step(
+    state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng, kv_scales
+  ):
     n = prompt_tokens.shape[0]
     if n * k > sampler.config.max_slots:
       raise ValueError(
@@ -255,7 +290,17 @@ def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
       )
     pt = jnp.repeat(prompt_tokens, k, axis=0)
     pl = jnp.repeat(prompt_lengths, k)
-    tokens, logps, lengths, stopped = sampler.generate_fn(state.params, pt, pl, rng, num_samples=k)
+    params = state.params
+    gen_kwargs = {}
+    if fp8 is not None:
+      from rlx import sampling  # noqa: PLC0415 (the sampler is optional at import time)
+
+      params = sampling.quantize_params(params, sampler.config)
+      if fp8.kv_fp8:
+        gen_kwargs["kv_scales"] = kv_scales
+    tokens, logps, lengths, stopped = sampler.generate_fn(
+      params, pt, pl, rng, num_samples=k, **gen_kwargs
+    )
     groups = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
     batch = _batch.build_rollout_batch(pt, pl, tokens, logps, lengths, stopped, groups, state.step)
     completion, clen = _batch.response_arrays(batch)
@@ -276,6 +321,24 @@ def make_rl_step(learner: Learner, sampler: Any) -> RLStep:
     metrics = dict(metrics)
     metrics.update(_rollout_metrics(batch, rewards))
     metrics.update(_group_metrics(rewards, k))
-    return state, metrics
+    if fp8 is None:
+      return state, metrics
+    if fp8.kv_fp8:
+      from rlx import sampling  # noqa: PLC0415
 
-  return RLStep(jax.jit(step, donate_argnums=(0,)), learner, width)
+      kv_scales = fp8.place(
+        sampling.calibrate_kv_scales(
+          state.params, learner.model_config, batch.tokens, batch.prompt_mask | batch.response_mask
+        )
+      )
+    return state, metrics, kv_scales
+
+  if fp8 is None:
+    # The high-precision program, exactly as without FP8 support (no scales argument).
+    def plain(state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng):
+      return step(
+        state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng, None
+      )
+
+    return RLStep(jax.jit(plain, donate_argnums=(0,)), learner, width)
+  return RLStep(jax.jit(step, donate_argnums=(0,)), learner, width, fp8=fp8)

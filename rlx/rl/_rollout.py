@@ -7,9 +7,16 @@ APRIL-style over-provisioning with recycled unfinished groups (Zhou et al.
 it decides how many prompts it consumes, so it PULLS them from a source
 (`collect_groups(params, source, rng, policy_version=v) -> (batch, keys)`)
 and its buffer is checkpointed with the data cursor.
+
+FP8 rollout (`config.rollout.weight_dtype` / `kv_dtype`): both engines take
+an `Fp8Refresh`, which holds the rollout params (FP8 decoder linears,
+`rlx.sampling.quantize_params`) and the FP8 KV scales
+(`rlx.sampling.calibrate_kv_scales` over the trainer's forward) and is
+refreshed after every policy update (`refresh(params, batch)`).
 """
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -18,7 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlx.rl import _batch
+from rlx.rl import _batch, _config
 
 
 class Rollout(Protocol):
@@ -52,12 +59,19 @@ def sampler_kwargs(
     config: the RL config.
     task: the `rlx.tasks.Task` (prompt/answer lengths, stop tokens).
     rows: the largest number of sequences one `generate` call holds.
-    greedy: temperature 0 (evaluation) instead of `config.rl.temperature`.
+    greedy: temperature 0 (evaluation) instead of `config.rl.temperature`;
+      the evaluation keeps high precision: weight_dtype "auto", and "auto"
+      (the compute dtype) instead of an FP8 `config.rollout.kv_dtype`.
 
   Returns:
     A dict of SamplerConfig keyword arguments.
   """
   s = config.sampler
+  kv_dtype = _config.kv_dtype(config)
+  weight_dtype = str(config.rollout.weight_dtype)
+  if greedy:  # the evaluation runs the high-precision policy
+    weight_dtype = "auto"
+    kv_dtype = "auto" if kv_dtype in _config.FP8_DTYPES else kv_dtype
   max_new = int(s.max_new_tokens) or int(task.max_answer_len)
   max_prompt = int(task.max_prompt_len)
   slots = int(s.max_slots) or int(rows)
@@ -69,7 +83,8 @@ def sampler_kwargs(
     num_pages=num_pages,
     max_prompt_len=max_prompt,
     max_new_tokens=max_new,
-    kv_dtype=str(s.kv_dtype),
+    kv_dtype=kv_dtype,
+    weight_dtype=weight_dtype,
     temperature=0.0 if greedy else float(config.rl.temperature),
     top_k=int(s.top_k),
     top_p=float(s.top_p),
@@ -101,6 +116,155 @@ def pad_prompts(prompts: Sequence[Sequence[int]], width: int) -> tuple[np.ndarra
 
 _build = jax.jit(_batch.build_rollout_batch)
 
+FP8_DTYPES = _config.FP8_DTYPES
+
+
+class Fp8Refresh:
+  """The FP8 rollout policy of a sampler, refreshed from the trainer's params after each update.
+
+  FP8 rollout with a high-precision trainer, as in slime and verl
+  (https://github.com/THUDM/slime, https://github.com/volcengine/verl: the
+  rollout engine re-quantizes at every weight sync; DeepSeek-V3,
+  https://arxiv.org/abs/2412.19437 Sec. 3.3, for the 128x128 weight blocks;
+  vLLM's FP8 KV cache, https://github.com/vllm-project/vllm, for the scales):
+  after every update (1) the decoder linears are re-quantized on device
+  (`rlx.sampling.quantize_params`, jitted once; on a mesh straight into
+  `rlx.policy.param_shardings(..., fp8_linears=True)`), and (2) with an FP8
+  KV cache the per-layer, per-KV-head K/V scales are recalibrated from the
+  trainer's own forward over a batch it already has (the rollout batch it
+  just trained on; `rlx.sampling.calibrate_kv_scales`, vLLM's headroom).
+  Params and scales are traced values of the sampler: nothing recompiles.
+
+  Attributes:
+    weight_fp8, kv_fp8: which halves are FP8.
+    params: the last refreshed rollout params (None before the first refresh).
+    kv_scales: (k_scale, v_scale) f32[L, Hkv], or None (before the first
+      calibration, or without FP8 KV).
+    last_refresh_s: seconds of the last `refresh` (device work waited for).
+  """
+
+  def __init__(self, sampler: Any):
+    from rlx import policy, sampling  # noqa: PLC0415 (the sampler is optional at import time)
+
+    cfg = getattr(sampler, "config", None)
+    if not isinstance(cfg, sampling.SamplerConfig):
+      raise ValueError(f"`sampler` must have a SamplerConfig `config`, got {type(cfg).__name__}.")
+    self.sampler_config = cfg
+    self.model_config = sampler.model_config
+    self.weight_fp8 = cfg.weight_dtype in FP8_DTYPES
+    self.kv_fp8 = cfg.kv_dtype in FP8_DTYPES
+    if not (self.weight_fp8 or self.kv_fp8):
+      raise ValueError(
+        f"Fp8Refresh needs a sampler with an FP8 weight_dtype or kv_dtype, got "
+        f"weight_dtype={cfg.weight_dtype!r}, kv_dtype={cfg.kv_dtype!r}."
+      )
+    mesh = getattr(sampler, "mesh", None)
+    shardings = None
+    if mesh is not None and self.weight_fp8:
+      shardings = policy.param_shardings(self.model_config, mesh, fp8_linears=True)
+    self._quantize = jax.jit(lambda p: sampling.quantize_params(p, cfg), out_shardings=shardings)
+    # KV scales live replicated on the mesh, however they were computed (one jit cache key).
+    self._replicated = None
+    if mesh is not None:
+      self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self._calibrate = sampling.calibrate_kv_scales
+    self.params = None
+    self._source = None
+    self.kv_scales: tuple[jax.Array, jax.Array] | None = None
+    self.last_refresh_s = 0.0
+
+  def rollout_params(self, params: Any) -> Any:
+    """The params the sampler runs for the trainer's `params` (quantized once per update)."""
+    if not self.weight_fp8:
+      return params
+    if params is not self._source:
+      self.params, self._source = self._quantize(params), params
+    return self.params
+
+  def calibrate(self, params: Any, tokens: Any, mask: Any) -> None:
+    """KV scales from the trainer's forward with `params` over tokens i32[B, S] where `mask`."""
+    if self.kv_fp8:
+      self.kv_scales = self.place(self._calibrate(params, self.model_config, tokens, mask))
+
+  def place(self, kv_scales: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The scales replicated on the sampler's mesh (a sharding constraint under jit)."""
+    if self._replicated is None:
+      return kv_scales
+    if any(isinstance(x, jax.core.Tracer) for x in kv_scales):
+      return tuple(jax.lax.with_sharding_constraint(x, self._replicated) for x in kv_scales)
+    return tuple(jax.device_put(x, self._replicated) for x in kv_scales)
+
+  def calibrate_prompts(
+    self, params: Any, prompts: Sequence[Sequence[int]], *, num_samples: int, width: int
+  ) -> None:
+    """The first calibration, before any rollout: over the prompts (each repeated K times).
+
+    The rows are laid out like a rollout batch ([N * K, width], prompt
+    positions only), so the calibration forward compiles once for both.
+    """
+    tokens, lengths = pad_prompts(prompts, width)
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    k = int(num_samples)
+    self.calibrate(params, np.repeat(tokens, k, 0), np.repeat(mask, k, 0))
+
+  def refresh(self, params: Any, batch: _batch.RolloutBatch) -> float:
+    """After an update: re-quantize `params` and recalibrate on `batch`; returns the seconds."""
+    t0 = time.perf_counter()
+    out = []
+    if self.weight_fp8:
+      out.append(self.rollout_params(params))
+    if self.kv_fp8:
+      self.calibrate(params, batch.tokens, batch.prompt_mask | batch.response_mask)
+      out.append(self.kv_scales)
+    jax.block_until_ready(out)
+    self.last_refresh_s = time.perf_counter() - t0
+    return self.last_refresh_s
+
+  def generate_kwargs(self) -> dict[str, Any]:
+    """`{"kv_scales": ...}` for the sampler (empty without FP8 KV)."""
+    if not self.kv_fp8:
+      return {}
+    if self.kv_scales is None:
+      raise ValueError(
+        "FP8 KV needs calibrated scales before the first rollout: call "
+        "`calibrate_prompts(params, prompts, ...)` or `refresh(params, batch)` first."
+      )
+    return {"kv_scales": self.kv_scales}
+
+  def state_dict(self) -> dict[str, np.ndarray]:
+    """The KV scales as host arrays (empty without them), for the checkpoint."""
+    if self.kv_scales is None:
+      return {}
+    k, v = (np.asarray(x, np.float32) for x in self.kv_scales)
+    return {"k_scale": k, "v_scale": v}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Restores `state_dict()`'s scales (the rollout params follow from the train params)."""
+    if not state:
+      self.kv_scales = None
+      return
+    m = self.model_config
+    shape = (m.num_layers, m.num_kv_heads)
+    out = []
+    for name in ("k_scale", "v_scale"):
+      if name not in state or np.shape(state[name]) != shape:
+        raise ValueError(
+          f"KV scale state must hold {name} of shape {shape}, got "
+          f"{np.shape(state[name]) if name in state else 'nothing'}."
+        )
+      out.append(jnp.asarray(state[name], jnp.float32))
+    self.kv_scales = self.place((out[0], out[1]))
+
+
+def make_fp8_refresh(sampler: Any) -> "Fp8Refresh | None":
+  """An `Fp8Refresh` for `sampler` when its config asks for FP8 weights or KV, else None."""
+  cfg = getattr(sampler, "config", None)
+  if getattr(cfg, "weight_dtype", None) in FP8_DTYPES or getattr(cfg, "kv_dtype", None) in (
+    FP8_DTYPES
+  ):
+    return Fp8Refresh(sampler)
+  return None
+
 
 class SyncRollout:
   """Synchronous rollouts: `sampler.generate` with the current params, every call.
@@ -110,24 +274,51 @@ class SyncRollout:
     num_samples: K, samples per prompt.
     max_prompt_len, max_new_tokens: the sampler's static lengths; the batch
       width is their sum.
+    fp8: the `Fp8Refresh` of an FP8 sampler (made from the sampler's config
+      when not given), else None. `collect` then samples with its rollout
+      params and KV scales (calibrated on the first prompts if none yet);
+      `refresh(params, batch)` after each update re-quantizes and recalibrates.
   """
 
-  def __init__(self, sampler: Any, *, num_samples: int, max_prompt_len: int, max_new_tokens: int):
+  def __init__(
+    self,
+    sampler: Any,
+    *,
+    num_samples: int,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    fp8: Fp8Refresh | None = None,
+  ):
     if num_samples < 1:
       raise ValueError(f"`num_samples` must be >= 1, got {num_samples}.")
     self.sampler = sampler
     self.num_samples = int(num_samples)
     self.max_prompt_len = int(max_prompt_len)
     self.max_new_tokens = int(max_new_tokens)
+    self.fp8 = fp8 if fp8 is not None else make_fp8_refresh(sampler)
     self.last_stats: dict[str, Any] = {}
+
+  @property
+  def refresh(self):
+    """`refresh(params, batch) -> seconds` of the FP8 rollout policy, or None (no FP8)."""
+    return None if self.fp8 is None else self.fp8.refresh
 
   def collect(
     self, params: Any, prompts: Sequence[Sequence[int]], rng: jax.Array, *, policy_version: int = 0
   ) -> _batch.RolloutBatch:
     """See `Rollout.collect`."""
     prompt_tokens, prompt_lengths = pad_prompts(prompts, self.max_prompt_len)
+    kwargs = {}
+    if self.fp8 is not None:
+      if self.fp8.kv_fp8 and self.fp8.kv_scales is None:
+        self.fp8.calibrate_prompts(
+          params, prompts, num_samples=self.num_samples,
+          width=self.max_prompt_len + self.max_new_tokens,
+        )  # fmt: skip
+      kwargs = self.fp8.generate_kwargs()
+      params = self.fp8.rollout_params(params)
     out = self.sampler.generate(
-      params, [list(p) for p in prompts], num_samples=self.num_samples, rng=rng
+      params, [list(p) for p in prompts], num_samples=self.num_samples, rng=rng, **kwargs
     )
     n = len(prompts) * self.num_samples
     tokens = jnp.asarray(out.tokens)
@@ -198,6 +389,7 @@ class PartialRollout:
     num_samples: int,
     target_groups: int,
     over_provision: float,
+    fp8: Fp8Refresh | None = None,
   ):
     from rlx import sampling  # noqa: PLC0415 (the sampler is optional at import time)
 
@@ -208,13 +400,27 @@ class PartialRollout:
       over_provision=over_provision,
     )
     self.num_samples = int(num_samples)
+    self.fp8 = fp8 if fp8 is not None else make_fp8_refresh(sampler)
     self.last_stats: dict[str, Any] = {}
+
+  @property
+  def refresh(self):
+    """`refresh(params, batch) -> seconds` of the FP8 rollout policy, or None (no FP8)."""
+    return None if self.fp8 is None else self.fp8.refresh
 
   def collect_groups(
     self, params: Any, source: Any, rng: jax.Array, *, policy_version: int
   ) -> tuple[_batch.RolloutBatch, np.ndarray]:
-    """One collection: `(RolloutBatch of target_groups * G rows, i64[target_groups] keys)`."""
-    out = self.engine.collect(params, source, rng, policy_version=int(policy_version))
+    """One collection: `(RolloutBatch of target_groups * G rows, i64[target_groups] keys)`.
+
+    With FP8 KV the scales must be calibrated first (`fp8.calibrate_prompts`
+    or `fp8.refresh`): the prompts are pulled inside the collection.
+    """
+    kwargs = {}
+    if self.fp8 is not None:
+      kwargs = self.fp8.generate_kwargs()
+      params = self.fp8.rollout_params(params)
+    out = self.engine.collect(params, source, rng, policy_version=int(policy_version), **kwargs)
     self.last_stats = dict(out.stats)
     batch = _build_partial(
       out.prompt_tokens, out.prompt_lengths, out.tokens, out.logprobs, out.versions,
@@ -248,8 +454,9 @@ class PartialRollout:
 class Collected:
   """A `Rollout` that hands back an already collected batch (for `Learner.iteration`)."""
 
-  def __init__(self, batch: _batch.RolloutBatch):
+  def __init__(self, batch: _batch.RolloutBatch, refresh: Any = None):
     self.batch = batch
+    self.refresh = refresh  # the producing engine's `refresh` (FP8), or None
 
   def collect(
     self, params: Any, prompts: Sequence[Sequence[int]], rng: jax.Array, *, policy_version: int = 0

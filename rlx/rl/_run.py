@@ -3,7 +3,7 @@
 Workdir layout:
   warmup/        orbax checkpoint of the warmed-up policy (reused on resume)
   checkpoints/   orbax checkpoints of the RL run (params, optimizer, rng, data cursor,
-                 the partial-rollout buffer)
+                 the partial-rollout buffer, the FP8 KV scales)
   metrics.jsonl  one JSON record per warm-up evaluation / RL iteration / dev evaluation
   tensorboard/   TensorBoard event files (tensorboardX)
   plots/         PNG learning curves, written at the end
@@ -166,9 +166,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     state, cursor = restored.state, restored.data_cursor
     rollout_buffer = (restored.extra or {}).get("rollout_buffer")
     best_params = (restored.extra or {}).get("best_params")
+    kv_state = (restored.extra or {}).get("kv_scales")
   else:
     rollout_buffer = None
     best_params = None
+    kv_state = None
     state = start_state
     cursor = {
       "source": None,
@@ -189,11 +191,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     seed=int(config.seed) + 1,
     cursor=cursor["source"],
   )
+  # FP8 rollout: one refresh object (rollout params + KV scales) for every path.
+  fp8 = _rollout.make_fp8_refresh(sampler)
+  if fp8 is not None and fp8.kv_fp8:
+    if kv_state:
+      fp8.load_state_dict(kv_state)
+    else:  # before the first update: the trainer's forward over the first train prompts
+      fp8.calibrate_prompts(
+        state.params,
+        [e.prompt_ids for e in train_examples[: int(config.rl.prompts_per_iteration)]],
+        num_samples=k,
+        width=seq_len,
+      )
   rollout = _rollout.SyncRollout(
     sampler,
     num_samples=k,
     max_prompt_len=rollout_kwargs["max_prompt_len"],
     max_new_tokens=rollout_kwargs["max_new_tokens"],
+    fp8=fp8,
   )
   partial_rollout = None
   if partial:
@@ -202,6 +217,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       num_samples=k,
       target_groups=int(config.rl.prompts_per_iteration),
       over_provision=float(config.rollout.over_provision),
+      fp8=fp8,
     )
     if rollout_buffer is not None:
       partial_rollout.load_state_dict(rollout_buffer)
@@ -227,7 +243,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     and hasattr(sampler, "generate_fn")
     and rows <= rollout_kwargs["max_slots"]
   )
-  rl_step = _learner.make_rl_step(learner, sampler) if fused else None
+  rl_step = _learner.make_rl_step(learner, sampler, fp8=fp8) if fused else None
   log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
   total = int(config.rl.iterations)
   stop_reason = cursor.get("stop")
@@ -249,7 +265,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       examples = [train_examples[int(i)] for i in keys]
       t_rollout = time.perf_counter() - t0
       state, metrics, _ = learner.iteration(
-        state, ref_params, _rollout.Collected(batch), examples, rng
+        state, ref_params, _rollout.Collected(batch, refresh=partial_rollout.refresh), examples, rng
       )
       metrics["time/rollout_s"] += t_rollout
       metrics.update(partial_rollout.metrics())
@@ -308,6 +324,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         extra["best_params"] = best_params
       if partial:
         extra["rollout_buffer"] = partial_rollout.state_dict()
+      if fp8 is not None and fp8.kv_scales is not None:
+        extra["kv_scales"] = fp8.state_dict()
       ckpt.save(iteration, state, data_cursor=cursor, extra=extra, force=True)
   if bar is not None:
     bar.close()
@@ -347,6 +365,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     "seconds_per_iteration": rl_time / max(int(cursor["iteration"]), 1),
     "final_reward_mean": rl_records[-1]["reward_mean"] if rl_records else math.nan,
     "fused_rl_step": fused,
+    # Mean seconds of the FP8 rollout refresh per update (host-driven path; None
+    # without FP8 or when the refresh ran inside the fused step).
+    "refresh_s_mean": (
+      float(np.mean([r["time/refresh_s"] for r in rl_records if "time/refresh_s" in r]))
+      if any("time/refresh_s" in r for r in rl_records)
+      else None
+    ),
+    "rollout_weight_dtype": rollout_kwargs["weight_dtype"],
+    "rollout_kv_dtype": rollout_kwargs["kv_dtype"],
     "wall_time_s": None,
     "resumed_from_iteration": start if latest is not None else None,
     "plots": plots,
