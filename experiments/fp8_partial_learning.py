@@ -1,0 +1,365 @@
+r"""Learning checks of the two rollout levers: FP8 rollout (+ token TIS) and partial rollouts.
+
+Every variant is the main job (experiments/configs/arithmetic.py) with a few
+config overrides, run by `rlx.rl.run` one after the other in this process
+(never two at once), each in `--workdir/<variant>_s<seed>`:
+
+  hp            high-precision rollout (the config as it is)
+  fp8_tis       rollout.weight_dtype = rollout.kv_dtype = "fp8_e4m3" (W8A8 decoder
+                linears + FP8 KV, refreshed after every update) with token-level
+                TIS (train.use_rollout_correction, level "token", truncate 2)
+  fp8_nocorr    the same FP8 rollout without any correction
+  sync_host     high precision, host-driven iteration (rl.fused = False): the
+                synchronous baseline of the partial rollouts (same driver)
+  partial       rollout.over_provision = --over_provision (APRIL, host-driven)
+  tail_sync / tail_partial
+                sync_host / partial with a long response budget:
+                sampler.max_new_tokens = --tail_max_new_tokens instead of the
+                answer length. Answers are 5 tokens, so only rollouts that miss
+                the stop token get longer: they decode to the cap (the long
+                tail of RL rollouts whose budget is set for the longest
+                response, as max_response_length in verl). The measured
+                length distribution is in the table.
+
+All variants share `--iterations` (the optimizer's decay_steps follows) and,
+per seed, the supervised warm-up: it depends only on the seed (the evaluation
+runs high precision in every variant), so the first variant's warm-up
+checkpoint is copied to the others (same params, same before-RL accuracy).
+
+Outputs: `--out` (markdown table), `--plots` (PNG curves), and the per-run
+workdirs (metrics.jsonl, summary.json). Rerun (resumes finished runs from
+their summaries; `--table_only` only rebuilds the table and plots):
+
+  python experiments/fp8_partial_learning.py --workdir=/tmp/fp8runs \
+      --out=experiments/results/fp8_partial_learning.md \
+      --plots=experiments/results/fp8_partial_learning
+"""
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+from absl import app, flags, logging
+
+from rlx import rl
+
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+_CONFIG = flags.DEFINE_string(
+  "config", os.path.join(_ROOT, "configs", "arithmetic.py"), "Base config file (get_config())."
+)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/fp8runs", "Parent of the per-run workdirs.")
+_RUNS = flags.DEFINE_list(
+  "runs",
+  [
+    "hp:0", "fp8_tis:0", "fp8_nocorr:0", "sync_host:0", "partial:0",
+    "hp:1", "fp8_tis:1", "hp:2", "fp8_tis:2", "tail_sync:0", "tail_partial:0",
+  ],
+  "variant:seed pairs, run in this order.",
+)  # fmt: skip
+_ITERATIONS = flags.DEFINE_integer("iterations", 200, "RL iterations of every variant.")
+_OVER = flags.DEFINE_float("over_provision", 2.0, "rollout.over_provision of the partial runs.")
+_TAIL = flags.DEFINE_integer("tail_max_new_tokens", 24, "Response budget of the tail_* runs.")
+_OUT = flags.DEFINE_string("out", "", "Write the markdown table here.")
+_PLOTS = flags.DEFINE_string("plots", "", "Write PNG curves with this path prefix.")
+_TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Only rebuild the table and plots.")
+_NOTE = flags.DEFINE_string("note", "", "Free text for the table header (e.g. machine load).")
+
+VARIANTS = {
+  "hp": {},
+  "fp8_tis": {
+    "rollout.weight_dtype": "fp8_e4m3",
+    "rollout.kv_dtype": "fp8_e4m3",
+    "train.use_rollout_correction": True,
+    "train.rollout_correction_kwargs.level": "token",
+    "train.rollout_correction_kwargs.truncate": 2.0,
+  },
+  "fp8_nocorr": {"rollout.weight_dtype": "fp8_e4m3", "rollout.kv_dtype": "fp8_e4m3"},
+  "sync_host": {"rl.fused": False},
+  "partial": {"rl.fused": False, "rollout.over_provision": "OVER"},
+  "tail_sync": {"rl.fused": False, "sampler.max_new_tokens": "TAIL"},
+  "tail_partial": {
+    "rl.fused": False,
+    "rollout.over_provision": "OVER",
+    "sampler.max_new_tokens": "TAIL",
+  },
+}
+
+
+def load_base_config(path: str):
+  """`get_config()` of a config file."""
+  spec = importlib.util.spec_from_file_location("base_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def variant_config(base, variant: str, seed: int, iterations: int):
+  """The base config with the variant's overrides, `seed` and `iterations`."""
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
+  c = base.copy_and_resolve_references()
+  c.seed = int(seed)
+  c.rl.iterations = int(iterations)
+  c.train.optimizer.decay_steps = int(iterations) * int(c.train.mini_batches)
+  c.log.progress_bar = False
+  c.log.print_summary = False
+  for key, value in VARIANTS[variant].items():
+    value = {"OVER": _OVER.value, "TAIL": _TAIL.value}.get(value, value)
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  rl.validate_config(c)
+  return c
+
+
+def _records(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  return rl.read_metrics(path) if os.path.exists(path) else []
+
+
+def run_one(base, variant: str, seed: int) -> dict:
+  workdir = os.path.join(_WORKDIR.value, f"{variant}_s{seed}")
+  config = variant_config(base, variant, seed, _ITERATIONS.value)
+  warm = os.path.join(workdir, "warmup")
+  if not os.path.exists(warm):  # reuse this seed's warm-up (it depends on the seed only)
+    for other in sorted(os.listdir(_WORKDIR.value)) if os.path.isdir(_WORKDIR.value) else []:
+      src = os.path.join(_WORKDIR.value, other, "warmup")
+      if other.endswith(f"_s{seed}") and os.path.exists(os.path.join(src, "0")):
+        os.makedirs(workdir, exist_ok=True)
+        shutil.copytree(src, warm)
+        shutil.copy(os.path.join(_WORKDIR.value, other, "metrics.jsonl"), workdir)
+        _keep_warmup_records(os.path.join(workdir, "metrics.jsonl"))
+        break
+  t0 = time.time()
+  summary = rl.run(config, workdir)
+  print(
+    f"{variant} seed {seed}: accuracy {summary['accuracy_before']:.3f} -> "
+    f"{summary['accuracy_after']:.3f}, {time.time() - t0:.0f} s",
+    flush=True,
+  )
+  return summary
+
+
+def _keep_warmup_records(path):
+  kept = [r for r in rl.read_metrics(path) if r.get("phase") == "warmup"]
+  with open(path, "w") as f:
+    for r in kept:
+      f.write(json.dumps(r) + "\n")
+
+
+def _mean(xs):
+  xs = [x for x in xs if x is not None and math.isfinite(x)]
+  return float(np.mean(xs)) if xs else math.nan
+
+
+def run_stats(workdir: str) -> dict | None:
+  """Summary numbers of one finished run (None if it has no summary)."""
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    s = json.load(f)
+  records = _records(workdir)
+  rl_recs = [r for r in records if r.get("phase") == "rl"]
+  evals = [r for r in records if r.get("phase") == "eval"]
+  clock = np.cumsum([r["time/iteration_s"] for r in rl_recs])
+  at = {r["iteration"]: t for r, t in zip(rl_recs, clock, strict=True)}
+  lengths = [r["response_length"] for r in rl_recs]
+  return {
+    "before": s["accuracy_before"],
+    "after": s["accuracy_after"],
+    "best_dev_test": s["accuracy_best_dev"],
+    "k1": _mean([r.get("mismatch_k1") for r in rl_recs]),
+    "k3": _mean([r.get("mismatch_k3") for r in rl_recs]),
+    "k3_last": _mean([r.get("mismatch_k3") for r in rl_recs[-20:]]),
+    "tis_weight_max": max((r.get("rollout_correction/weight_max", 0) for r in rl_recs), default=0),
+    "refresh_s": s.get("refresh_s_mean"),
+    "rl_time_s": s["rl_time_s"],
+    "s_per_it": s["seconds_per_iteration"],
+    "wall_s": s["wall_time_s"],
+    "iterations": s["iterations"],
+    "fused": s["fused_rl_step"],
+    "length_mean": _mean(lengths),
+    "stop_fraction": _mean([r["stop_fraction"] for r in rl_recs]),
+    "recycled": _mean([r.get("rollout/groups_recycled") for r in rl_recs]),
+    "off_policy": _mean([r.get("rollout/off_policy_token_fraction") for r in rl_recs]),
+    "dev_curve": [(r["iteration"], r["dev_accuracy"]) for r in evals],
+    "dev_clock": [(at[r["iteration"]], r["dev_accuracy"]) for r in evals if r["iteration"] in at],
+    "k3_curve": [(r["iteration"], r.get("mismatch_k3", math.nan)) for r in rl_recs],
+  }
+
+
+def _fmt(x, spec=".3f"):
+  return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def table(stats: dict) -> str:
+  """The markdown tables of every finished run."""
+  lines = [
+    "# FP8 rollout and partial rollouts: learning checks on the arithmetic task",
+    "",
+    f"Base config: experiments/configs/arithmetic.py with rl.iterations = {_ITERATIONS.value} "
+    "(and optimizer.decay_steps = iterations) for EVERY variant; variants as in "
+    "experiments/fp8_partial_learning.py. Test accuracy = greedy exact match on the 500 "
+    "held-out problems, before RL (after the warm-up) and after the last iteration. "
+    "k1 / k3 = the train step's mismatch_k1 / mismatch_k3 (KL(rollout || trainer) of the "
+    "sampled tokens: FP8 sampler vs float32 trainer; with partial rollouts also staleness), "
+    "mean over iterations. Wall times: the machine (2 CPU cores) was SHARED with other jobs "
+    "during these runs, so times are noisy and only comparable within a row pair run "
+    "back to back; accuracy does not depend on the load.",
+  ]
+  if _NOTE.value:
+    lines += ["", _NOTE.value]
+  lines += [
+    "",
+    "## Per run",
+    "",
+    "| variant | seed | test acc before | test acc after | points | best-dev ckpt test acc | "
+    "mismatch k1 | mismatch k3 | k3 (last 20 it) | refresh s/update | RL s/it | RL time s | "
+    "wall s |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for (variant, seed), st in sorted(
+    stats.items(), key=lambda kv: (list(VARIANTS).index(kv[0][0]), kv[0][1])
+  ):
+    lines.append(
+      f"| {variant} | {seed} | {st['before']:.3f} | {st['after']:.3f} | "
+      f"{100 * (st['after'] - st['before']):+.1f} | {st['best_dev_test']:.3f} | "
+      f"{_fmt(st['k1'], '.2e')} | {_fmt(st['k3'], '.2e')} | {_fmt(st['k3_last'], '.2e')} | "
+      f"{_fmt(st['refresh_s'])} | {st['s_per_it']:.2f} | {st['rl_time_s']:.0f} | "
+      f"{st['wall_s']:.0f} |"
+    )
+  lines += [
+    "",
+    "## Mean over seeds",
+    "",
+    "| variant | seeds | test acc after (mean ± std) | points (mean ± std) | mismatch k3 "
+    "| RL s/it |",
+    "|---|---|---|---|---|---|",
+  ]
+  for variant in VARIANTS:
+    runs = [st for (v, _), st in stats.items() if v == variant]
+    if not runs:
+      continue
+    after = np.asarray([r["after"] for r in runs])
+    pts = 100 * (after - np.asarray([r["before"] for r in runs]))
+    sd = (lambda x: f" ± {np.std(x, ddof=1):.1f}") if len(runs) > 1 else (lambda x: "")
+    sda = f" ± {np.std(after, ddof=1):.3f}" if len(runs) > 1 else ""
+    lines.append(
+      f"| {variant} | {len(runs)} | {after.mean():.3f}{sda} | {pts.mean():+.1f}{sd(pts)} | "
+      f"{_fmt(_mean([r['k3'] for r in runs]), '.2e')} | "
+      f"{_mean([r['s_per_it'] for r in runs]):.2f} |"
+    )
+  rollout_rows = [k for k in stats if k[0] in ("sync_host", "partial", "tail_sync", "tail_partial")]
+  if rollout_rows:
+    lines += [
+      "",
+      "## Partial vs synchronous rollouts (host-driven, seed 0)",
+      "",
+      "| variant | test acc after | RL time s | RL s/it | response length (mean) | "
+      "stop fraction | groups recycled / collect | off-policy token fraction |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(rollout_rows, key=lambda k: list(VARIANTS).index(k[0])):
+      st = stats[key]
+      lines.append(
+        f"| {key[0]} (seed {key[1]}) | {st['after']:.3f} | {st['rl_time_s']:.0f} | "
+        f"{st['s_per_it']:.2f} | {st['length_mean']:.2f} | {st['stop_fraction']:.3f} | "
+        f"{_fmt(st['recycled'], '.1f')} | {_fmt(st['off_policy'])} |"
+      )
+  cmd = " ".join(["python", "experiments/fp8_partial_learning.py", *sys.argv[1:]])
+  lines += ["", f"Rerun: `{cmd}`", ""]
+  return "\n".join(lines)
+
+
+def plots(stats: dict, prefix: str) -> list[str]:
+  import matplotlib  # noqa: PLC0415
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  colors = {"hp": "C0", "fp8_tis": "C1", "fp8_nocorr": "C3", "sync_host": "C0", "partial": "C2",
+            "tail_sync": "C4", "tail_partial": "C5"}  # fmt: skip
+  out = []
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  for (variant, seed), st in sorted(stats.items()):
+    if variant not in ("hp", "fp8_tis", "fp8_nocorr"):
+      continue
+    xs, ys = zip(*st["dev_curve"], strict=True) if st["dev_curve"] else ((), ())
+    axes[0].plot(xs, ys, color=colors[variant], alpha=0.8, label=f"{variant} s{seed}")
+    xs, ys = zip(*st["k3_curve"], strict=True) if st["k3_curve"] else ((), ())
+    axes[1].plot(xs, ys, color=colors[variant], alpha=0.6, label=f"{variant} s{seed}")
+  axes[0].set(
+    xlabel="RL iteration", ylabel="dev greedy accuracy", title="FP8 vs high-precision rollout"
+  )
+  axes[1].set(
+    xlabel="RL iteration",
+    ylabel="mismatch k3",
+    yscale="log",
+    title="rollout vs trainer mismatch (k3)",
+  )
+  for ax in axes:
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  path = f"{prefix}_fp8.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  out.append(path)
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for (variant, seed), st in sorted(stats.items()):
+    if variant not in ("sync_host", "partial", "tail_sync", "tail_partial", "hp") or seed != 0:
+      continue
+    xs, ys = zip(*st["dev_clock"], strict=True) if st["dev_clock"] else ((), ())
+    style = "--" if variant == "hp" else "-"
+    ax.plot(xs, ys, style, color=colors[variant], marker=".", label=f"{variant} s{seed}")
+  ax.set(xlabel="RL wall-clock (s, shared machine)", ylabel="dev greedy accuracy",
+         title="partial vs synchronous rollouts")  # fmt: skip
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  path = f"{prefix}_partial.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  out.append(path)
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  base = load_base_config(_CONFIG.value)
+  pairs = []
+  for item in _RUNS.value:
+    variant, _, seed = item.partition(":")
+    if variant not in VARIANTS or not seed.isdigit():
+      raise app.UsageError(f"--runs entries are variant:seed with a variant of {sorted(VARIANTS)}")
+    pairs.append((variant, int(seed)))
+  if not _TABLE_ONLY.value:
+    for variant, seed in pairs:
+      run_one(base, variant, seed)
+  stats = {}
+  for variant, seed in pairs:
+    st = run_stats(os.path.join(_WORKDIR.value, f"{variant}_s{seed}"))
+    if st is not None:
+      stats[(variant, seed)] = st
+  text = table(stats)
+  print(text)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      f.write(text)
+  if _PLOTS.value and stats:
+    for p in plots(stats, _PLOTS.value):
+      print("plot:", p)
+
+
+if __name__ == "__main__":
+  app.run(main)
