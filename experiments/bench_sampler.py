@@ -107,7 +107,7 @@ _SHORT_NEW = flags.DEFINE_integer(
 _PAGE = flags.DEFINE_integer("page_size", 16, "rlx KV page size.")
 _SYNC = flags.DEFINE_integer("steps_per_sync", 32, "rlx decode steps per device window.")
 _PREFILL_CHUNK = flags.DEFINE_integer(
-  "prefill_chunk", 0, "rlx prefill_chunk; 0 = the workload's max_prompt_len (one chunk per prompt)."
+  "prefill_chunk", 0, "rlx prefill_chunk; 0 = the SamplerConfig default."
 )
 _TORCH_THREADS = flags.DEFINE_list(
   "torch_threads",
@@ -497,7 +497,8 @@ def _rlx_config(**kw) -> sampling.SamplerConfig:
     steps_per_sync=_SYNC.value,
   )
   base.update(kw)
-  base.setdefault("prefill_chunk", _PREFILL_CHUNK.value or base["max_prompt_len"])
+  if _PREFILL_CHUNK.value:
+    base.setdefault("prefill_chunk", _PREFILL_CHUNK.value)
   if "num_pages" not in base:  # the smallest pool that holds max_slots full sequences
     pps = -(-(base["max_prompt_len"] + base["max_new_tokens"] - 1) // base["page_size"])
     base["num_pages"] = base["max_slots"] * pps
@@ -937,7 +938,8 @@ def main(argv):
     f"Model: qwen2-style, {mc.num_layers} layers, width {mc.hidden_size}, MLP "
     f"{mc.intermediate_size}, heads {mc.num_heads}/{mc.num_kv_heads}, vocab {mc.vocab_size}, "
     f"{mc.param_dtype}. rlx: page {_PAGE.value}, steps_per_sync {_SYNC.value}, prefill_chunk "
-    f"{_PREFILL_CHUNK.value or 'max_prompt_len'}. Median of "
+    f"{_PREFILL_CHUNK.value or sampling.SamplerConfig.prefill_chunk} (calls narrowed to the "
+    f"prompts' width bucket). Median of "
     f"{_REPEATS.value} calls after a warm-up call, interleaved across the rows of each table.",
   ]
   if _NOTE.value:

@@ -285,26 +285,47 @@ def _paged_attention_gpu(
 # XLA path (CPU): blocked online softmax over the live pages only
 # ------------------------------------------------------------------------------------------
 
-# Tokens per loop step of the XLA path when `pages_per_compute_block` is None.
+# Tokens per block of the XLA path when `pages_per_compute_block` is None: short page
+# tables (<= _XLA_MAX_UNROLLED_BLOCKS blocks of _XLA_TOKENS_PER_SHORT_BLOCK) run unrolled
+# blocks of 64 tokens, each past the first skipped by a `lax.cond` when no sequence
+# reaches it; longer tables loop over blocks of 256 tokens.
+_XLA_TOKENS_PER_SHORT_BLOCK = 64
 _XLA_TOKENS_PER_BLOCK = 256
+_XLA_MAX_UNROLLED_BLOCKS = 8
+
+
+def _xla_pages_per_block(pages_per_sequence: int, page_size: int) -> int:
+  short = max(1, _XLA_TOKENS_PER_SHORT_BLOCK // page_size)
+  if -(-pages_per_sequence // short) <= _XLA_MAX_UNROLLED_BLOCKS:
+    return short
+  return max(1, _XLA_TOKENS_PER_BLOCK // page_size)
 
 
 def _paged_attention_xla(
-  q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, *, sm_scale, pages_per_block
-):
+  q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, *, sm_scale, pages_per_block,
+  layer=None,
+):  # fmt: skip
   """Paged attention in XLA ops: a loop over page-table blocks with an online softmax.
 
   Each step gathers `pages_per_block` pages of every sequence (`[B, Hkv, T, D]`,
   T = pages_per_block * page_size) and folds them into a float32 running max /
   denominator / accumulator (Milakov & Gimelshein, https://arxiv.org/abs/1805.02867),
-  the scheme of the Pallas kernels. The loop stops after the block holding the
-  longest sequence's last token, so the bytes read follow the live tokens, not the
-  page-table width. Positions >= lengths[b] are zeroed with `where` before the dots
-  (garbage, even NaN, never reaches the output); a row with length 0 yields zeros.
-  Inputs validated; lengths already clamped into [0, capacity]; scales f32[Hkv].
+  the scheme of the Pallas kernels. Blocks past the one holding the longest
+  sequence's last token are not computed, so the bytes read follow the live tokens,
+  not the page-table width: up to `_XLA_MAX_UNROLLED_BLOCKS` blocks run as
+  straight-line code with every block after the first under a `lax.cond` (cheaper
+  on CPU than a loop), more as a `fori_loop` that stops there. Positions >= lengths[b]
+  are zeroed with `where` before the dots (garbage, even NaN, never reaches the
+  output); a row with length 0 yields zeros. With `layer` (int32 scalar), the pools
+  are stacked `[L, Hkv, P, page, D]` and the layer index is part of every gather
+  index, so no layer slice of the pool is ever materialised (a slice feeding a
+  `lax.cond` would be copied whole). Inputs validated; lengths already clamped into
+  [0, capacity]; scales f32[Hkv].
   """
+  if layer is None:
+    k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
   batch, num_heads, head_dim = q.shape
-  num_kv_heads, total_pages, page_size, _ = k_pages.shape
+  _, num_kv_heads, total_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   pages_per_sequence = page_table.shape[1]
   bp = max(1, min(pages_per_block, pages_per_sequence))
@@ -317,14 +338,17 @@ def _paged_attention_xla(
   live_blocks = (jnp.max(lengths) + tokens - 1) // tokens
 
   # Gather straight into the dots' layout [B, Hkv, bp, page, D] (batch dims leading):
-  # one [Hkv, 1, page, D] slice of the pool per (sequence, page) index, no transpose.
+  # one [1, Hkv, 1, page, D] slice of the stacked pool per (layer, page) index, no
+  # transpose and no copy of the layer's pool.
   dnums = lax.GatherDimensionNumbers(
-    offset_dims=(1, 3, 4), collapsed_slice_dims=(1,), start_index_map=(1,)
+    offset_dims=(1, 3, 4), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
   )
+  layer = jnp.asarray(layer, jnp.int32)
 
   def gather(pages, cols, scale, valid):
+    index = jnp.stack([jnp.broadcast_to(layer, cols.shape), cols], axis=-1)  # [B, bp, 2]
     x = lax.gather(
-      pages, cols[..., None], dnums, (num_kv_heads, 1, page_size, head_dim),
+      pages, index, dnums, (1, num_kv_heads, 1, page_size, head_dim),
       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )  # fmt: skip
     x = x.astype(jnp.float32).reshape(batch, num_kv_heads, tokens, head_dim)
@@ -352,8 +376,11 @@ def _paged_attention_xla(
     jnp.zeros(shape, jnp.float32),
     jnp.zeros((*shape, head_dim), jnp.float32),
   )
-  if num_blocks == 1:  # one block: straight-line code, no loop
-    _, denom, acc = body(0, init)
+  if num_blocks <= _XLA_MAX_UNROLLED_BLOCKS:  # straight-line blocks, the later ones skippable
+    carry = body(0, init)
+    for j in range(1, num_blocks):
+      carry = lax.cond(j < live_blocks, functools.partial(body, j), lambda c: c, carry)
+    _, denom, acc = carry
   else:
     _, denom, acc = lax.fori_loop(0, jnp.minimum(live_blocks, num_blocks), body, init)
   out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
@@ -492,8 +519,9 @@ def _paged_attention_jit(
   impl,
   interpret,
   block_sizes,
+  layer=None,
 ):
-  _, total_pages, page_size, _ = k_pages.shape
+  total_pages, page_size = k_pages.shape[-3:-1]
   # Under jit `lengths` cannot be checked; clamp it into [0, capacity] so that all impls
   # agree and no kernel reads past the page table: otherwise the TPU index maps read
   # SMEM out of bounds (a garbage page index for the DMA) and the GPU kernel attends to
@@ -503,9 +531,12 @@ def _paged_attention_jit(
     out = _paged_attention_xla(
       q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale,
       pages_per_block=block_sizes.pages_per_compute_block
-      or max(1, _XLA_TOKENS_PER_BLOCK // page_size),
+      or _xla_pages_per_block(page_table.shape[1], page_size), layer=layer,
     )  # fmt: skip
     return out.astype(q.dtype)
+  if layer is not None:  # the kernels take one layer's [Hkv, P, page, D] pools
+    k_pages = lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)
+    v_pages = lax.dynamic_index_in_dim(v_pages, layer, keepdims=False)
   page_table = _sanitize_page_table(page_table, lengths, page_size, total_pages)
   scales = jnp.stack([k_scale, v_scale], axis=1)  # [Hkv, 2]
   if impl == "pallas_gpu":
@@ -536,6 +567,7 @@ def paged_attention(
   impl: str = "auto",
   interpret=False,
   block_sizes: PagedAttentionBlockSizes = PagedAttentionBlockSizes(),
+  layer: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "B H D"]:
   """Paged grouped-query decode attention with float32 online softmax.
 
@@ -569,12 +601,13 @@ def paged_attention(
       page table are scalar-prefetched into SMEM and drive the BlockSpec index
       maps, so each grid step DMAs `pages_per_compute_block` pages). Runs on
       CPU with `interpret=pltpu.InterpretParams()`.
-    "xla": XLA ops, float32: a loop over blocks of `pages_per_compute_block`
-      pages (default 256 tokens) with an online softmax, each step gathering one
-      block of every sequence in the dots' `[B, Hkv, T, D]` layout; it stops
-      after the longest sequence's last block, so a step's bytes follow the
-      live tokens rather than the page-table width (the CPU path; equal to
-      `paged_attention_reference` up to float32 rounding).
+    "xla": XLA ops, float32: blocks of `pages_per_compute_block` pages
+      (default 64 tokens for page tables of up to 512 tokens, else 256) with an
+      online softmax, each gathering one block of every sequence in the dots'
+      `[B, Hkv, T, D]` layout; blocks after the longest sequence's last one are
+      skipped, so a step's bytes follow the live tokens rather than the
+      page-table width (the CPU path; equal to `paged_attention_reference` up
+      to float32 rounding).
   K/V positions >= lengths[b] (and pages past the last used one) are masked with
   `where` before any dot, so garbage there, even NaN, never reaches the output.
   Under `jit` lengths cannot be checked; a row with length 0 (an idle sampler
@@ -600,13 +633,42 @@ def paged_attention(
     interpret: Pallas interpret mode (True, or `pltpu.InterpretParams()` for the
       TPU kernel on CPU).
     block_sizes: kernel tiling, see `PagedAttentionBlockSizes`.
+    layer: None for `[Hkv, P, page_size, D]` pools; else the layer (int or traced
+      int32 scalar in [0, L)) of stacked `[L, Hkv, P, page_size, D]` pools (as
+      `write_kv_pages(..., layer=i)` writes them). The XLA path then gathers the
+      layer's pages straight from the stacked pools (no copy of a layer's pool);
+      the Pallas kernels get the layer's pools sliced out.
 
   Returns:
     `[B, H, D]` attention output in q's dtype.
   """
-  sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
-    q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
-  )
+  if layer is not None:
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+      if np.ndim(x) != 5:
+        raise ValueError(
+          f"`{name}` must be a stacked [L, Hkv, P, page, D] pool since `layer` is given, "
+          f"got shape {tuple(np.shape(x))}."
+        )
+    if np.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+      raise ValueError(f"`layer` must be an integer scalar, got {layer!r}.")
+    if is_concrete(layer) and not 0 <= int(layer) < k_pages.shape[0]:
+      raise ValueError(f"`layer` must be in [0, L={k_pages.shape[0]}), got {int(layer)}.")
+    if v_pages.shape != k_pages.shape:
+      raise ValueError(
+        f"`v_pages` must have the shape of `k_pages` {tuple(k_pages.shape)}, got "
+        f"{tuple(v_pages.shape)}."
+      )
+    one_layer = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)
+    sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
+      q, one_layer, jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype), lengths,
+      page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    layer = jnp.asarray(layer, jnp.int32)
+  else:
+    sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
+      q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale, k_scale=k_scale,
+      v_scale=v_scale,
+    )  # fmt: skip
   if not isinstance(block_sizes, PagedAttentionBlockSizes):
     raise ValueError(
       f"`block_sizes` must be a PagedAttentionBlockSizes, got {type(block_sizes).__name__}."
@@ -615,7 +677,7 @@ def paged_attention(
   impl = resolve_impl(impl, interpret, platform)
   return _paged_attention_jit(
     q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale=sm_scale, impl=impl,
-    interpret=interpret, block_sizes=block_sizes,
+    interpret=interpret, block_sizes=block_sizes, layer=layer,
   )  # fmt: skip
 
 

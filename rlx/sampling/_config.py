@@ -48,8 +48,11 @@ class SamplerConfig:
     stop_token_ids: a sample ends after emitting one of these (it is kept).
     steps_per_sync: decode steps run on device (one `lax.while_loop`) between
       two host scheduling points.
-    prefill_chunk: tokens per prefill call and row (prompts longer than this
-      are prefilled in several chunks by the same compiled function).
+    prefill_chunk: most tokens per prefill call and row (prompts longer than
+      this are prefilled in several chunks). A call is only as wide as the
+      smallest power-of-two bucket (>= min(8, prefill_chunk)) holding its
+      longest piece, so short prompts are not padded to the full chunk; at
+      most ~log2(prefill_chunk / 8) + 1 widths compile.
     continuous_batching: True: finished slots are refilled at every
       scheduling point. False: static batching, the next wave of requests is
       admitted only when every slot is idle (for comparisons).

@@ -219,19 +219,27 @@ class Engine:
   # --------------------------------------------------------------------------------------
   # Attention pieces.
 
-  def _paged_attention(self, q, k_pages, v_pages, lengths, page_table, k_scale, v_scale):
-    """`paged_attention` on the slots (under a mesh: per shard, local slots and KV heads)."""
+  def _paged_attention(self, q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, layer):
+    """`paged_attention` of layer `layer` of the stacked pools on the slots.
+
+    The stacked `[L, Hkv, P, page, D]` pools go in whole with the layer index (the
+    XLA path gathers the layer's pages from them directly: no per-step copy of a
+    layer's pool). Under a mesh: per shard, local slots and KV heads.
+    """
     impl = self.config.attention_impl
 
-    def attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale):
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, layer):
       return kernels_pallas.paged_attention(
-        q, k_pages, v_pages, lengths, page_table, k_scale=k_scale, v_scale=v_scale, impl=impl
-      )
+        q, k_pages, v_pages, lengths, page_table, k_scale=k_scale, v_scale=v_scale, impl=impl,
+        layer=layer,
+      )  # fmt: skip
 
     if self.mesh is None:
-      return attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale)
+      return attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, layer)
     b, t = self._batch_axes, self._tensor_axis
-    pool = PartitionSpec(t)
+    pool = PartitionSpec(None, t)
     return jax.shard_map(
       attend,
       mesh=self.mesh,
@@ -243,10 +251,11 @@ class Engine:
         PartitionSpec(b),
         PartitionSpec(t),
         PartitionSpec(t),
+        PartitionSpec(),
       ),  # fmt: skip
       out_specs=PartitionSpec(b, t),
       check_vma=False,
-    )(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale)
+    )(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, layer)
 
   def _chunk_attention(self, q, k_pages, v_pages, positions, end, page_table, k_scale, v_scale):
     """Prefill attention of a chunk over its sequence's pages (chunk K/V already written).
@@ -371,7 +380,7 @@ class Engine:
       )  # fmt: skip
       kp, vp = self._constrain(kp, "pool"), self._constrain(vp, "pool")
       q = self._constrain(q[:, 0], "q")
-      out = self._paged_attention(q, kp[i], vp[i], attend_len, table, ks, vs)
+      out = self._paged_attention(q, kp, vp, attend_len, table, ks, vs, i)
       return out[:, None], KVPool(kp, vp)
 
     x = policy.embed(params, model, slots.last_token[:, None])

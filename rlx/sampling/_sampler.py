@@ -28,11 +28,16 @@ scheduler (Kwon et al. 2023, https://arxiv.org/abs/2309.06180):
   prefix, admitted like a preempted one (prompt + prefix KV recomputed by
   prefill); a host condition checked at every scheduling point ends the call,
   handing back each unfinished request's tokens and log-probs so far.
-- Prefill: chunked, `prefill_chunk` tokens per row per call (a chunk attends
-  to the row's earlier pages and causally to itself), rows padded to a power
-  of two in [min(8, S), next_pow2(S)]; so prefill compiles at most
-  `1 + max(0, ceil(log2(max_slots / 8)))` times per sampler, whatever the
-  prompt lengths (once for max_slots <= 8).
+- Prefill: chunked, at most `prefill_chunk` tokens per row per call (a chunk
+  attends to the row's earlier pages and causally to itself). A call's width
+  is the smallest bucket that holds the longest remaining piece of its rows,
+  the buckets being the powers of two in [min(8, prefill_chunk),
+  prefill_chunk) plus prefill_chunk itself (so 8-32-token prompts are not
+  padded to a 64-wide chunk); rows are padded to a power of two in
+  [min(8, S), next_pow2(S)]. So prefill compiles at most
+  `prefill_width_buckets(prefill_chunk) * (1 + max(0, ceil(log2(max_slots / 8))))`
+  times per sampler whatever the prompt lengths (`prefill_compile_bound`;
+  once for max_slots <= 8 and prefill_chunk <= 8).
   The decode loop compiles once per sampler (fixed shapes; every count,
   threshold and scale is a traced argument).
 
@@ -150,10 +155,33 @@ class _Pages:
 
 # Prefill row buckets: powers of two from min(8, S) up to S (few compiles, little padding).
 _MIN_PREFILL_ROWS = 8
+# Narrowest prefill call (tokens per row): the width buckets are the powers of two from
+# min(8, prefill_chunk) below prefill_chunk, and prefill_chunk itself.
+_MIN_PREFILL_WIDTH = 8
 
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
+
+
+def prefill_widths(prefill_chunk: int) -> tuple[int, ...]:
+  """The prefill call widths (tokens per row) a sampler uses, ascending."""
+  widths, w = [], min(_MIN_PREFILL_WIDTH, prefill_chunk)
+  while w < prefill_chunk:
+    widths.append(w)
+    w *= 2
+  return (*widths, prefill_chunk)
+
+
+def prefill_width(piece: int, prefill_chunk: int) -> int:
+  """The narrowest prefill width bucket holding `piece` (<= prefill_chunk) tokens per row."""
+  return next(w for w in prefill_widths(prefill_chunk) if w >= min(piece, prefill_chunk))
+
+
+def prefill_compile_bound(config: SamplerConfig) -> int:
+  """Most prefill compiles of one sampler: width buckets x row buckets."""
+  rows = 1 + max(0, math.ceil(math.log2(config.max_slots / _MIN_PREFILL_ROWS)))
+  return len(prefill_widths(config.prefill_chunk)) * rows
 
 
 class Sampler:
@@ -584,12 +612,13 @@ class Sampler:
       while rows and len(rows[0][0]) > c * chunk:
         live = [r for r in rows if len(r[0]) > c * chunk]
         b = min(max(_next_pow2(len(live)), _MIN_PREFILL_ROWS), _next_pow2(S))
-        tokens = np.zeros((b, chunk), np.int32)
+        width = prefill_width(len(live[0][0]) - c * chunk, chunk)  # longest piece first
+        tokens = np.zeros((b, width), np.int32)
         start = np.full((b,), c * chunk, np.int32)
         num_new = np.zeros((b,), np.int32)
         table = np.zeros((b, eng.pages_per_sequence), np.int32)
         for r, (seq, own) in enumerate(live):
-          piece = seq[c * chunk : (c + 1) * chunk]
+          piece = seq[c * chunk : c * chunk + width]
           tokens[r, : piece.size] = piece
           num_new[r] = piece.size
           table[r, : len(own)] = own
@@ -723,8 +752,9 @@ class Sampler:
     rng=rng)` (equal up to float rounding: a different batch shape may round a
     logit differently, which changes a token only at an exact near-tie). Each
     row gets its own `pages_per_sequence` pages (no sharing, no preemption),
-    prefill runs in `prefill_chunk` chunks, decode is one `lax.while_loop` of
-    up to `max_new_tokens` steps. Usable inside another `jax.jit`.
+    prefill runs in `prefill_chunk` chunks (the last one narrowed to its width
+    bucket), decode is one `lax.while_loop` of up to `max_new_tokens` steps.
+    Usable inside another `jax.jit`.
 
     Args:
       params: the policy params.
@@ -787,10 +817,11 @@ class Sampler:
     table = jnp.arange(n * pps, dtype=jnp.int32).reshape(n, pps)
     chunk = cfg.prefill_chunk
     for c in range(math.ceil((t - 1) / chunk)):
-      piece = prompt_tokens[:, c * chunk : (c + 1) * chunk]
-      piece = jnp.pad(piece, ((0, 0), (0, chunk - piece.shape[1])))
+      width = prefill_width(t - 1 - c * chunk, chunk)
+      piece = prompt_tokens[:, c * chunk : c * chunk + width]
+      piece = jnp.pad(piece, ((0, 0), (0, width - piece.shape[1])))
       start = jnp.full((n,), c * chunk, jnp.int32)
-      num_new = jnp.clip(m - c * chunk, 0, chunk)
+      num_new = jnp.clip(m - c * chunk, 0, width)
       pool = eng._prefill(params, pool, piece, start, num_new, table, k_scale, v_scale)
     rows = jnp.arange(n, dtype=jnp.int32)
     M = cfg.max_new_tokens

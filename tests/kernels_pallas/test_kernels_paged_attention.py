@@ -170,6 +170,49 @@ def test_xla_path_stops_at_the_longest_live_sequence(pages_per_block):
     np.testing.assert_array_equal(got[~live], 0.0)
 
 
+@pytest.mark.parametrize("pages_per_block", [None, 1, 3])
+def test_xla_path_long_table_matches_reference(pages_per_block):
+  # 10 pages per sequence: 1 page per block is 10 blocks (the fori_loop path), 3 pages
+  # 4 unrolled blocks, None the default; NaN in every page no sequence uses.
+  rng = np.random.default_rng(5)
+  page, pps, num_pages = 4, 10, 34
+  q = jnp.asarray(rng.normal(size=(3, 4, 16)), jnp.float32)
+  kp, vp = (jnp.asarray(rng.normal(size=(2, num_pages, page, 16)), jnp.float32) for _ in "kv")
+  table = jnp.asarray(rng.permutation(num_pages)[:30].reshape(3, pps), jnp.int32)
+  lengths = jnp.asarray([1, 17, 25], jnp.int32)  # 7 of 10 blocks of one page are live
+  used = np.zeros(num_pages, bool)
+  for b, length in enumerate(np.asarray(lengths)):
+    used[np.asarray(table)[b, : -(-int(length) // page)]] = True
+  dirty = [jnp.where(jnp.asarray(used)[None, :, None, None], x, jnp.nan) for x in (kp, vp)]
+  sizes = PagedAttentionBlockSizes(pages_per_compute_block=pages_per_block)
+  got = jax.jit(
+    lambda kp, vp: paged_attention(q, kp, vp, lengths, table, impl="xla", block_sizes=sizes)
+  )(*dirty)
+  want = paged_attention_reference(q, kp, vp, lengths, table)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["xla"])  # the Pallas paths slice the layer out first
+def test_stacked_pools_with_layer_equal_the_layer_pools(impl):
+  # The layer index is traced inside the jitted kernel wrapper: one compile for all layers.
+  q, kp, vp, lengths, table, _, _ = make_inputs("float32", 4, 16, 64, seed=3)
+  stack_k = jnp.stack([kp, 2.0 * kp, -kp])  # [L=3, Hkv, P, page, D]
+  stack_v = jnp.stack([vp, vp + 1.0, 0.5 * vp])
+  interpret = impl == "pallas_gpu"
+  for i in range(3) if impl == "xla" else (2,):
+    want = paged_attention(
+      q, stack_k[i], stack_v[i], lengths, table, impl=impl, interpret=interpret
+    )
+    got = paged_attention(
+      q, stack_k, stack_v, lengths, table, impl=impl, interpret=interpret, layer=i
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match="stacked"):
+    paged_attention(q, kp, vp, lengths, table, impl=impl, layer=0)
+  with pytest.raises(ValueError, match="layer"):
+    paged_attention(q, stack_k, stack_v, lengths, table, impl=impl, layer=3)
+
+
 def _with_nan_garbage(args):
   """Pool with NaN in every unused page and every position >= length; junk table entries."""
   q, kp, vp, lengths, table, ks, vs = args

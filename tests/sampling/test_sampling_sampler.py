@@ -157,6 +157,30 @@ def test_decode_compiles_once_across_lengths_and_temperatures(params):
   assert a._engine is b._engine
 
 
+def test_prefill_width_follows_the_prompts(params):
+  # A chunk wider than the prompts: each prefill call is only as wide as the width bucket
+  # of its longest piece (8 or 16 here, never the 32 of the chunk); same greedy tokens.
+  assert sampling._sampler.prefill_widths(32) == (8, 16, 32)
+  assert sampling._sampler.prefill_widths(48) == (8, 16, 32, 48)
+  assert sampling._sampler.prefill_widths(4) == (4,)
+  wide = sampling.Sampler(MODEL, dataclasses.replace(BASE, prefill_chunk=32))
+  widths = []
+  prefill = wide._engine.prefill
+  wide._engine.prefill = lambda p, pool, tokens, *a: (
+    widths.append(tokens.shape[1]) or prefill(p, pool, tokens, *a)
+  )
+  out = wide.generate(params, PROMPTS, num_samples=2, rng=jax.random.key(0))
+  ref = sampling.Sampler(MODEL, BASE).generate(
+    params, PROMPTS, num_samples=2, rng=jax.random.key(0)
+  )
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+  wide.generate(params, [[1, 2, 3, 4, 5]] * 3, num_samples=1, rng=jax.random.key(0))
+  # Admissions prefill 4 / 11 / 1..3 tokens at most (16 for the 12-token prompt), then 4 -> 8.
+  assert set(widths) == {8, 16} and widths[-1] == 8, widths
+  assert prefill._cache_size() == 2 <= sampling._sampler.prefill_compile_bound(wide.config)
+
+
 def test_prefix_sharing_holds_prompt_pages_once(params):
   # m = 9 prefilled prompt tokens = 2 full pages + 1 partial; decode writes positions 9..16.
   prompt = [[5, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
