@@ -531,10 +531,14 @@ class Sampler:
       free_slots = [s for s in range(S) if slot_req[s] is None]
       prefill_rows = []  # (tokens to prefill, page list)
       copies = []  # (src page, dst page)
+      if not free_slots or not queue:
+        return prefill_rows, copies
+      # Kept up to date below instead of rescanning slots / queue per request.
+      running = any(r is not None for r in slot_req)
+      reserve = sum(growth(s) for s in range(S) if slot_req[s] is not None)
+      unstarted = collections.Counter(r.prompt_index for r in queue if not r.started)
       while free_slots and queue:
         req = queue[0]
-        running = any(r is not None for r in slot_req)
-        reserve = sum(growth(s) for s in range(S) if slot_req[s] is not None)
         n = req.prompt.size
         holder = holders.get(req.prompt_index) if not req.started else None
         siblings = 0
@@ -547,7 +551,7 @@ class Sampler:
           need = 1 if (m % page and holder.remaining > 1) else 0
         else:
           m = n - 1
-          siblings = sum(1 for r in queue if r.prompt_index == req.prompt_index and not r.started)
+          siblings = unstarted[req.prompt_index]
           need = -(-m // page) + (1 if (m % page and siblings > 1) else 0)
         if need > pages.num_free - (reserve if running else 0):
           if not running and holders:
@@ -558,6 +562,8 @@ class Sampler:
             continue
           break
         queue.popleft()
+        if not req.started:
+          unstarted[req.prompt_index] -= 1
         s = free_slots.pop(0)
         if req.started or req.private:
           own = pages.pop(need)
@@ -603,6 +609,8 @@ class Sampler:
         slots.tokens[s, :g] = req.tokens
         slots.logprobs[s] = 0
         slots.logprobs[s, :g] = req.logprobs
+        running = True
+        reserve += growth(s)
       return prefill_rows, copies
 
     def run_prefill(rows, pool):

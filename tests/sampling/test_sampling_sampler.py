@@ -308,17 +308,23 @@ def test_pool_check_flags_a_materialised_layer():
   assert bad
 
 
-def test_decode_step_reads_pages_without_copying_the_pool(params):
+# 72-token page tables: the XLA attention runs two blocks, the second under a `lax.cond`
+# (whose operands would be materialised if a layer's pool were sliced out for it).
+_TWO_BLOCKS = dataclasses.replace(BASE, max_new_tokens=60)
+
+
+@pytest.mark.parametrize("cfg", [BASE, _TWO_BLOCKS], ids=["one_block", "two_blocks"])
+def test_decode_step_reads_pages_without_copying_the_pool(params, cfg):
   """Compiled decode loop: the stacked pool is updated in place, never copied or sliced whole."""
-  sampler = sampling.Sampler(MODEL, BASE)
+  sampler = sampling.Sampler(MODEL, cfg)
   eng = sampler._engine
-  S, M = BASE.max_slots, BASE.max_new_tokens
-  pool = eng.empty_pool(BASE.num_pages)
+  S, M = cfg.max_slots, cfg.max_new_tokens
+  pool = eng.empty_pool(cfg.num_pages)
   pages = _engine.PageState(
-    np.zeros((S, BASE.pages_per_sequence), np.int32),
-    np.zeros(BASE.num_pages, np.int32),
-    np.arange(BASE.num_pages, dtype=np.int32),
-    np.int32(BASE.num_pages),
+    np.zeros((S, cfg.pages_per_sequence), np.int32),
+    np.zeros(cfg.num_pages, np.int32),
+    np.arange(cfg.num_pages, dtype=np.int32),
+    np.int32(cfg.num_pages),
   )
   knobs = sampler._knobs(4, S + 1)
   args = (
@@ -331,7 +337,8 @@ def test_decode_step_reads_pages_without_copying_the_pool(params):
   )
   hlo = eng.decode.lower(*args, knobs, allocate=True).compile().as_text()
   m = MODEL
-  layer_pool = (m.num_kv_heads, BASE.num_pages, BASE.page_size, m.head_dim)
+  layer_pool = (m.num_kv_heads, cfg.num_pages, cfg.page_size, m.head_dim)
   bad, seen = _pool_materialisations(hlo, layer_pool, m.num_layers)
   assert not bad, bad
   assert seen  # the check looked at the right shapes
+  assert (" conditional(" in hlo) == (cfg is _TWO_BLOCKS)  # the block skip is compiled in
