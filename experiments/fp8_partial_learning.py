@@ -68,6 +68,12 @@ _OUT = flags.DEFINE_string("out", "", "Write the markdown table here.")
 _PLOTS = flags.DEFINE_string("plots", "", "Write PNG curves with this path prefix.")
 _TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Only rebuild the table and plots.")
 _NOTE = flags.DEFINE_string("note", "", "Free text for the table header (e.g. machine load).")
+_BREAKDOWN = flags.DEFINE_integer(
+  "mismatch_breakdown_prompts",
+  0,
+  "> 0: also measure which FP8 half causes the mismatch on the seed-0 warmed-up policy "
+  "(this many train prompts x G, one rollout per FP8 setting), appended to the table.",
+)
 
 VARIANTS = {
   "hp": {},
@@ -190,10 +196,67 @@ def run_stats(workdir: str) -> dict | None:
     "stop_fraction": _mean([r["stop_fraction"] for r in rl_recs]),
     "recycled": _mean([r.get("rollout/groups_recycled") for r in rl_recs]),
     "off_policy": _mean([r.get("rollout/off_policy_token_fraction") for r in rl_recs]),
-    "dev_curve": [(r["iteration"], r["dev_accuracy"]) for r in evals],
-    "dev_clock": [(at[r["iteration"]], r["dev_accuracy"]) for r in evals if r["iteration"] in at],
+    # Dev accuracy from the end of the warm-up (iteration 0) on.
+    "dev_curve": [(0, s["warmup_dev_accuracy"])]
+    + [(r["iteration"], r["dev_accuracy"]) for r in evals],
+    "dev_clock": [(0.0, s["warmup_dev_accuracy"])]
+    + [(at[r["iteration"]], r["dev_accuracy"]) for r in evals if r["iteration"] in at],
     "k3_curve": [(r["iteration"], r.get("mismatch_k3", math.nan)) for r in rl_recs],
   }
+
+
+def mismatch_breakdown(base, num_prompts: int) -> str:
+  """k1 / k3 of FP8 weight / KV settings against the float32 trainer, one warmed-up policy.
+
+  The seed-0 warm-up checkpoint (`hp_s0/warmup`), `num_prompts` train prompts
+  x G samples at the run's temperature from each sampler setting; the
+  trainer's float32 log-probs of those samples (`rlx.policy.token_logprobs`)
+  vs the sampler's (`rlx.objectives.rollout_mismatch_kl`). KV scales from
+  the trainer's forward over the prompts (as the loop's first calibration).
+  """
+  import jax  # noqa: PLC0415
+
+  from rlx import objectives, policy, tasks, train  # noqa: PLC0415
+
+  config = variant_config(base, "hp", 0, _ITERATIONS.value)
+  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  mesh = rl.build_mesh(config)
+  model_config, _ = rl.build_model(config, task)
+  abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)
+  with train.Checkpointer(os.path.join(_WORKDIR.value, "hp_s0", "warmup")) as ckpt:
+    params = ckpt.restore(abstract).state.params
+  prompts = [e.prompt_ids for e in task.split("train")[:num_prompts]]
+  g = rl.samples_per_prompt(config)
+  temperature = float(config.rl.temperature)
+  logprobs = jax.jit(policy.token_logprobs, static_argnums=1, static_argnames=("temperature",))
+  lines = [
+    "",
+    f"## Where the FP8 mismatch comes from (seed-0 warmed-up policy, {num_prompts} prompts "
+    f"x G = {g}, T = {temperature})",
+    "",
+    "| rollout weight_dtype | rollout kv_dtype | mismatch k1 | mismatch k3 |",
+    "|---|---|---|---|",
+  ]
+  for weight_dtype, kv_dtype in (
+    ("auto", "float32"), ("auto", "fp8_e4m3"), ("fp8_e4m3", "float32"),
+    ("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "fp8_e5m2"),
+  ):  # fmt: skip
+    c = config.copy_and_resolve_references()
+    c.rollout.weight_dtype, c.rollout.kv_dtype = weight_dtype, kv_dtype
+    kwargs = rl.sampler_kwargs(c, task, rows=len(prompts) * g, greedy=False)
+    rollout = rl.SyncRollout(
+      rl.make_sampler(model_config, kwargs, mesh),
+      num_samples=g,
+      max_prompt_len=kwargs["max_prompt_len"],
+      max_new_tokens=kwargs["max_new_tokens"],
+    )
+    batch = rollout.collect(params, prompts, jax.random.PRNGKey(0))
+    old, _ = logprobs(
+      params, model_config, batch.tokens, batch.response_mask, temperature=temperature
+    )
+    mm = objectives.rollout_mismatch_kl(old, batch.rollout_logp, batch.response_mask)
+    lines.append(f"| {weight_dtype} | {kv_dtype} | {float(mm.k1):.2e} | {float(mm.k3):.2e} |")
+  return "\n".join(lines)
 
 
 def _fmt(x, spec=".3f"):
@@ -293,7 +356,7 @@ def plots(stats: dict, prefix: str) -> list[str]:
     if variant not in ("hp", "fp8_tis", "fp8_nocorr"):
       continue
     xs, ys = zip(*st["dev_curve"], strict=True) if st["dev_curve"] else ((), ())
-    axes[0].plot(xs, ys, color=colors[variant], alpha=0.8, label=f"{variant} s{seed}")
+    axes[0].plot(xs, ys, color=colors[variant], marker=".", alpha=0.8, label=f"{variant} s{seed}")
     xs, ys = zip(*st["k3_curve"], strict=True) if st["k3_curve"] else ((), ())
     axes[1].plot(xs, ys, color=colors[variant], alpha=0.6, label=f"{variant} s{seed}")
   axes[0].set(
@@ -352,6 +415,8 @@ def main(argv):
     if st is not None:
       stats[(variant, seed)] = st
   text = table(stats)
+  if _BREAKDOWN.value > 0:
+    text += mismatch_breakdown(base, _BREAKDOWN.value) + "\n"
   print(text)
   if _OUT.value:
     with open(_OUT.value, "w") as f:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import rl_test_utils
 
-from rlx import rl, sampling, tasks, train
+from rlx import policy, rl, sampling, tasks, train
 from rlx.rl import _rollout
 
 rl_test_utils.register_test_tasks()
@@ -200,3 +200,30 @@ def test_run_with_fp8_and_partial_rollouts_checkpoints_the_scales(tmp_path):
 def _model_and_train(config):
   task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
   return rl.build_model(config, task)[0], rl.train_config(config)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+def test_rollout_params_are_quantized_into_the_fp8_layout_on_the_mesh():
+  config, task, _, model_config, params, _, _, kwargs = _setup()
+  mesh = train.make_mesh(2, 2, 2, devices=jax.devices()[:8])
+  sampler = _rollout.make_sampler(model_config, kwargs, mesh)
+  fp8 = rl.Fp8Refresh(sampler)
+  sharded = train.shard_params(params, model_config, mesh)
+  rollout_params = fp8.rollout_params(sharded)
+  assert fp8.rollout_params(sharded) is rollout_params  # once per update, not per call
+  want = policy.param_shardings(model_config, mesh, fp8_linears=True)
+  for (path, leaf), sharding in zip(
+    jax.tree_util.tree_leaves_with_path(rollout_params), jax.tree.leaves(want), strict=True
+  ):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), path
+  kernel = rollout_params["layers"]["mlp"]["up_proj"]["kernel"]
+  assert isinstance(kernel, policy.Fp8Kernel)
+  np.testing.assert_array_equal(
+    np.asarray(kernel.values, np.float32),
+    np.asarray(
+      policy.quantize_linears(params)["layers"]["mlp"]["up_proj"]["kernel"].values, np.float32
+    ),
+  )
+  fp8.calibrate_prompts(sharded, [e.prompt_ids for e in task.split("train")[:2]], num_samples=4,
+                        width=kwargs["max_prompt_len"] + kwargs["max_new_tokens"])  # fmt: skip
+  assert all(s.sharding.is_equivalent_to(fp8._replicated, 2) for s in fp8.kv_scales)
