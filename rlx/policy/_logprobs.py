@@ -158,6 +158,7 @@ def token_logprobs(
   temperature: float | Float[Array, ""] = 1.0,
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   layer_params_fn: LayerParamsFn | None = None,
+  unroll: bool = False,
 ) -> tuple[Float[Array, "B S"], Float[Array, "B S"]]:
   """Per-token log-probabilities and entropies of `tokens` under the policy, chunked.
 
@@ -182,6 +183,7 @@ def token_logprobs(
     layer_params_fn: optional per-layer parameter hook, as in `forward` (e.g.
       the train step's one-layer-at-a-time FSDP all-gather). The LM head uses
       `params` as passed.
+    unroll: unrolled layers instead of the layer scan, as in `forward`.
 
   Returns:
     (logp f32[B, S], entropy f32[B, S]).
@@ -202,6 +204,7 @@ def token_logprobs(
     segment_ids=segment_ids,
     return_hidden=True,
     layer_params_fn=layer_params_fn,
+    unroll=unroll,
   )
   n = s - 1
   if n == 0:

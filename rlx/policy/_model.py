@@ -470,7 +470,12 @@ def _linear(p: Params, x: Array, dtype: Any) -> Array:
   if _is_fp8_kernel(kernel):
     y = _fp8_linear(kernel, x, dtype)
   else:
-    y = jnp.einsum("...i,io->...o", x, kernel.astype(dtype))
+    # A 2-D [tokens, in] @ [in, out] dot: the same forward values as the einsum
+    # over [..., in], but XLA:CPU then computes the weight gradient without
+    # materialising strided transposes of the [..., out] cotangent (4x faster
+    # backward on CPU for small models).
+    lead = x.shape[:-1]
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), kernel.astype(dtype)).reshape(*lead, kernel.shape[-1])
   if "bias" in p:
     y = y + p["bias"].astype(dtype)
   return y
@@ -682,6 +687,7 @@ def forward(
   attention_fn: AttentionFn | None = None,
   return_hidden: bool = False,
   layer_params_fn: LayerParamsFn | None = None,
+  unroll: bool = False,
 ) -> Float[Array, "B S V"] | Float[Array, "B S D"]:
   """Causal language-model forward pass (training path).
 
@@ -718,12 +724,19 @@ def forward(
       (module docstring); the forward values are unchanged. The non-layer
       params (embedding, final norm, LM head) are used as passed. Default
       None = no hook, no remat.
+    unroll: run the layers as an unrolled Python loop instead of one
+      `lax.scan` (`layer_scan(unroll=True)`): the same values, but a
+      differentiated forward of a shallow model skips the scan's stacked
+      residual buffers (the train step does this up to
+      `unroll_max_layers`). Default False.
 
   Returns:
     f32[B, S, V] logits, or [B, S, D] hidden states (compute dtype) when
     `return_hidden`.
   """
-  hidden = _decoder(params, config, tokens, positions, segment_ids, attention_fn, layer_params_fn)
+  hidden = _decoder(
+    params, config, tokens, positions, segment_ids, attention_fn, layer_params_fn, unroll=unroll
+  )
   if return_hidden:
     return hidden
   return logits_from_hidden(params, config, hidden)
@@ -873,7 +886,9 @@ def _prepare(params, config, tokens, positions, segment_ids):
   return tokens, jnp.asarray(positions, jnp.int32), segment_ids
 
 
-def _decoder(params, config, tokens, positions, segment_ids, attention_fn, layer_params_fn=None):
+def _decoder(
+  params, config, tokens, positions, segment_ids, attention_fn, layer_params_fn=None, unroll=False
+):
   """Validated embedding + layer scan (no cache) + final norm."""
   tokens, positions, segment_ids = _prepare(params, config, tokens, positions, segment_ids)
   attend = attention_fn if attention_fn is not None else default_attention_fn
@@ -889,6 +904,7 @@ def _decoder(params, config, tokens, positions, segment_ids, attention_fn, layer
     attention_fn=hook,
     segment_ids=segment_ids,
     layer_params_fn=layer_params_fn,
+    unroll=unroll,
   )
   return final_norm(params, config, x)
 

@@ -94,6 +94,14 @@ def get_config() -> ml_collections.ConfigDict:
   # rather than the whole model. False gathers the whole param tree before the
   # forward (more memory, fewer collectives).
   c.gather_fsdp_per_layer = True
+  # The differentiated forward runs the decoder blocks as a Python loop
+  # (rlx.policy `unroll=True`) instead of the layer scan when the model has at
+  # most this many layers: the backward pass then needs no stacked per-layer
+  # residual buffers (zero-filled, written and sliced by the scan every step),
+  # the same values at a longer compile. 0 = always the scan; so are the
+  # no-gradient forwards (compute_logprobs, BAPO) and a step that gathers FSDP
+  # params one layer at a time (gather_fsdp_per_layer on an "fsdp" axis > 1).
+  c.unroll_max_layers = 4
   # --- optimisation ---
   # Global-norm gradient clipping (finite); 0 disables it.
   c.max_grad_norm = 1.0
@@ -222,6 +230,7 @@ FIELD_RULES: dict[str, Any] = {
   "logprob_chunk_size": ("int", 0, False, None, False),
   "gather_fsdp_params": "bool",
   "gather_fsdp_per_layer": "bool",
+  "unroll_max_layers": ("int", 0, False, None, False),
   # 0 disables clipping; +inf is refused (use 0 for "off").
   "max_grad_norm": ("float", 0.0, False, None, False),
   "optimizer.learning_rate": ("float", 0.0, False, None, False),

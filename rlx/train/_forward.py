@@ -24,6 +24,8 @@ def batch_logprobs(
   model_config: Any,
   cfg: ml_collections.ConfigDict,
   gather: _gather.FsdpGather = _gather.NO_GATHER,
+  *,
+  unroll: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """`rlx.policy.token_logprobs` on a (micro-)batch dict, FSDP params gathered.
 
@@ -38,6 +40,8 @@ def batch_logprobs(
     model_config: the `rlx.policy.ModelConfig`.
     cfg: the train config (temperature, logprob_chunk_size).
     gather: the `FsdpGather` of the mesh.
+    unroll: run the decoder blocks as a Python loop (rlx.policy `unroll`)
+      instead of the layer scan; same values.
 
   Returns:
     `(logp, entropy)`, each `[B, S]`, 0 where `loss_mask` is 0.
@@ -56,6 +60,7 @@ def batch_logprobs(
     segment_ids=data.get("segment_ids"),
     temperature=float(cfg.temperature),
     layer_params_fn=gather.layer_params_fn,
+    unroll=unroll,
     **kwargs,
   )
 

@@ -46,10 +46,14 @@ def make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict, gather: _gat
   agg = _config.resolve_agg(cfg)
   kl_coef = float(cfg.kl_coef)
   entropy_coef = float(cfg.entropy_coef)
+  # Per-layer FSDP gathering needs the layer loop (one gathered layer live at a time).
+  unroll = gather.layer_params_fn is None and (
+    int(model_config.num_layers) <= int(cfg.unroll_max_layers)
+  )
 
   def loss_fn(params, micro: dict, agg_scale: jax.Array, clip_kwargs: dict):
     mask = micro["loss_mask"]
-    logp, entropy = _forward.batch_logprobs(params, micro, model_config, cfg, gather)
+    logp, entropy = _forward.batch_logprobs(params, micro, model_config, cfg, gather, unroll=unroll)
     if entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
     extra = {"entropy": jax.lax.stop_gradient(entropy)}

@@ -58,15 +58,25 @@ def test_public_names():
 def test_contract_signatures():
   fwd = inspect.signature(policy.forward)
   assert list(fwd.parameters)[:4] == ["params", "config", "tokens", "positions"]
-  for name in ("segment_ids", "attention_fn", "return_hidden", "layer_params_fn"):
+  for name in ("segment_ids", "attention_fn", "return_hidden", "layer_params_fn", "unroll"):
     assert fwd.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
   assert fwd.parameters["layer_params_fn"].default is None
   lp = inspect.signature(policy.token_logprobs)
   assert list(lp.parameters)[:4] == ["params", "config", "tokens", "mask"]
-  for name in ("positions", "segment_ids", "temperature", "chunk_size", "layer_params_fn"):
+  for name in (
+    "positions",
+    "segment_ids",
+    "temperature",
+    "chunk_size",
+    "layer_params_fn",
+    "unroll",
+  ):
     assert lp.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
   assert lp.parameters["layer_params_fn"].default is None
-  assert list(inspect.signature(policy.partition_rules).parameters) == ["config", "mesh"]
+  assert fwd.parameters["unroll"].default is False and lp.parameters["unroll"].default is False
+  rules = inspect.signature(policy.partition_rules).parameters
+  assert list(rules) == ["config", "mesh", "fp8_linears"]
+  assert rules["fp8_linears"].kind is inspect.Parameter.KEYWORD_ONLY
   assert list(inspect.signature(policy.init_params).parameters) == ["config", "rng"]
   for tok in (policy.Tokenizer, policy.CharTokenizer):
     methods = ("encode", "decode", "encode_batch", "decode_batch", "pad", "apply_chat_template")

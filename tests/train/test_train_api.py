@@ -102,6 +102,7 @@ BAD_VALUES = {
   "entropy_coef": [INF, -INF],
   "max_grad_norm": [INF, -1.0],
   "logprob_chunk_size": [-1, 2.0, True],
+  "unroll_max_layers": [-1, 1.5, True],
   "micro_batches": [True, 0, 2.0],
   "ppo_epochs": [False, 0],
   "mini_batches": [True, -1],

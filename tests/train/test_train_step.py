@@ -81,6 +81,17 @@ def test_params_actually_move_and_metrics_are_reported():
   assert "step_time_s" not in first and "tokens_per_second" not in first
 
 
+def test_unrolled_layers_equal_the_layer_scan():
+  """The differentiated forward unrolls the layers (unroll_max_layers=4 >= 2); same values."""
+  assert tl.model_config().num_layers <= tl.train_config().unroll_max_layers
+  ref_params, ref_history = _single_device_run()
+  state, history = tl.run_steps("single", 3, unroll_max_layers=0)
+  assert _max_diff(tl.host_params(state), ref_params) < 1e-6
+  for got, want in zip(history, ref_history, strict=True):
+    for name in ("loss", "grad_norm", "entropy", "update_norm"):
+      np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_micro_batched_equals_full_batch():
   ref_params, ref_history = _single_device_run()
   state, history = tl.run_steps("single", 3, micro_batches=4)
