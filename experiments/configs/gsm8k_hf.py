@@ -42,7 +42,7 @@ def get_config():
   c.sampler.max_slots = 256
   c.sampler.page_size = 16
   c.sampler.num_pages = 256 * 40  # ~640 tokens per slot on average
-  c.sampler.kv_dtype = "bfloat16"
+  c.rollout.kv_dtype = "bfloat16"  # or "fp8_e4m3" (+ rollout.weight_dtype) for FP8 rollout
   c.sampler.steps_per_sync = 32
   # Loss, baseline, KL, rollout correction.
   c.train.loss = "ppo"
