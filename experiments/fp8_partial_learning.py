@@ -185,7 +185,8 @@ def run_stats(workdir: str) -> dict | None:
     "k1": _mean([r.get("mismatch_k1") for r in rl_recs]),
     "k3": _mean([r.get("mismatch_k3") for r in rl_recs]),
     "k3_last": _mean([r.get("mismatch_k3") for r in rl_recs[-20:]]),
-    "tis_weight_max": max((r.get("rollout_correction/weight_max", 0) for r in rl_recs), default=0),
+    "tis_truncated": _mean([r.get("rollout_correction/frac_truncated") for r in rl_recs]),
+    "tis_ess": _mean([r.get("rollout_correction/ess") for r in rl_recs]),
     "refresh_s": s.get("refresh_s_mean"),
     "rl_time_s": s["rl_time_s"],
     "s_per_it": s["seconds_per_iteration"],
@@ -193,6 +194,9 @@ def run_stats(workdir: str) -> dict | None:
     "iterations": s["iterations"],
     "fused": s["fused_rl_step"],
     "length_mean": _mean(lengths),
+    "length_max": max(lengths, default=math.nan),
+    "rollout_s": _mean([r.get("time/rollout_s") for r in rl_recs]),
+    "train_s": _mean([r.get("time/train_s") for r in rl_recs]),
     "stop_fraction": _mean([r["stop_fraction"] for r in rl_recs]),
     "recycled": _mean([r.get("rollout/groups_recycled") for r in rl_recs]),
     "off_policy": _mean([r.get("rollout/off_policy_token_fraction") for r in rl_recs]),
@@ -285,9 +289,9 @@ def table(stats: dict) -> str:
     "## Per run",
     "",
     "| variant | seed | test acc before | test acc after | points | best-dev ckpt test acc | "
-    "mismatch k1 | mismatch k3 | k3 (last 20 it) | refresh s/update | RL s/it | RL time s | "
-    "wall s |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "mismatch k1 | mismatch k3 | k3 (last 20 it) | TIS truncated | TIS ESS | refresh s/update | "
+    "RL s/it | RL time s | wall s |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (variant, seed), st in sorted(
     stats.items(), key=lambda kv: (list(VARIANTS).index(kv[0][0]), kv[0][1])
@@ -296,7 +300,8 @@ def table(stats: dict) -> str:
       f"| {variant} | {seed} | {st['before']:.3f} | {st['after']:.3f} | "
       f"{100 * (st['after'] - st['before']):+.1f} | {st['best_dev_test']:.3f} | "
       f"{_fmt(st['k1'], '.2e')} | {_fmt(st['k3'], '.2e')} | {_fmt(st['k3_last'], '.2e')} | "
-      f"{_fmt(st['refresh_s'])} | {st['s_per_it']:.2f} | {st['rl_time_s']:.0f} | "
+      f"{_fmt(st['tis_truncated'], '.4f')} | {_fmt(st['tis_ess'])} | {_fmt(st['refresh_s'])} | "
+      f"{st['s_per_it']:.2f} | {st['rl_time_s']:.0f} | "
       f"{st['wall_s']:.0f} |"
     )
   lines += [
@@ -326,15 +331,17 @@ def table(stats: dict) -> str:
       "",
       "## Partial vs synchronous rollouts (host-driven, seed 0)",
       "",
-      "| variant | test acc after | RL time s | RL s/it | response length (mean) | "
-      "stop fraction | groups recycled / collect | off-policy token fraction |",
-      "|---|---|---|---|---|---|---|---|",
+      "| variant | test acc after | RL time s | RL s/it | rollout s/it | train s/it | "
+      "response length (mean) | stop fraction | groups recycled / collect | "
+      "off-policy token fraction |",
+      "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(rollout_rows, key=lambda k: list(VARIANTS).index(k[0])):
       st = stats[key]
       lines.append(
         f"| {key[0]} (seed {key[1]}) | {st['after']:.3f} | {st['rl_time_s']:.0f} | "
-        f"{st['s_per_it']:.2f} | {st['length_mean']:.2f} | {st['stop_fraction']:.3f} | "
+        f"{st['s_per_it']:.2f} | {_fmt(st['rollout_s'], '.2f')} | {_fmt(st['train_s'], '.2f')} | "
+        f"{st['length_mean']:.2f} | {st['stop_fraction']:.3f} | "
         f"{_fmt(st['recycled'], '.1f')} | {_fmt(st['off_policy'])} |"
       )
   cmd = " ".join(["python", "experiments/fp8_partial_learning.py", *sys.argv[1:]])
