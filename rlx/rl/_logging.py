@@ -90,10 +90,9 @@ def plot_run(workdir: str, *, accuracy_before: float | None, accuracy_after: flo
   Panels: reward, held-out accuracy (dev curve + test before/after), KL, clip
   fraction, response length, entropy, and the time split per iteration.
   """
-  import matplotlib  # noqa: PLC0415
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  # A Figure without pyplot: no global backend switch (inline plots in a
+  # notebook that calls this keep working) and nothing left open.
+  from matplotlib.figure import Figure  # noqa: PLC0415
 
   records = [
     r
@@ -102,7 +101,8 @@ def plot_run(workdir: str, *, accuracy_before: float | None, accuracy_after: flo
   ]
   rl = [r for r in records if r.get("phase") == "rl"]
   ev = [r for r in records if r.get("phase") == "eval"]
-  fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
+  fig = Figure(figsize=(18, 7.5))
+  axes = fig.subplots(2, 4)
   axes = axes.ravel()
   for ax, (key, title) in zip(axes, PLOTS, strict=False):
     xs, ys = _series(ev if key == "dev_accuracy" else rl, key)
@@ -130,7 +130,10 @@ def plot_run(workdir: str, *, accuracy_before: float | None, accuracy_after: flo
     ys = np.asarray(ys)
     ax.bar(xs, ys, bottom=bottom, width=1.0, label=key.split("/")[1].removesuffix("_s"))
     bottom = ys if bottom is None else bottom + ys
-  ax.set_title("seconds per iteration")
+  if bottom is not None and len(bottom) > 2:
+    # The first iterations compile: cap the axis so the steady state is visible.
+    ax.set_ylim(0, 3 * float(np.median(bottom[2:])) + 1e-6)
+  ax.set_title("seconds per iteration (first ones compile: off the scale)")
   ax.set_xlabel("RL iteration")
   ax.legend(loc="upper right")
   axes[-1].axis("off")
@@ -139,5 +142,4 @@ def plot_run(workdir: str, *, accuracy_before: float | None, accuracy_after: flo
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "rl_curves.png")
   fig.savefig(path, dpi=90)
-  plt.close(fig)
   return path

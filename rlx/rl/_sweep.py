@@ -136,13 +136,13 @@ def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str) -> str:
   """Dev-accuracy curves of every run (one colour per grid point) into one PNG."""
-  import matplotlib  # noqa: PLC0415
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  # A Figure without pyplot: no global backend switch (inline plots in a
+  # notebook that calls this keep working) and nothing left open.
+  from matplotlib.figure import Figure  # noqa: PLC0415
 
   points = list(dict.fromkeys(r["point"] for r in rows))
-  fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+  fig = Figure(figsize=(13, 4.5))
+  ax, bx = fig.subplots(1, 2)
   for i, p in enumerate(points):
     for j, r in enumerate(x for x in rows if x["point"] == p):
       records = _logging.read_metrics(os.path.join(r["workdir"], "metrics.jsonl"))
@@ -168,5 +168,4 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str) -> str:
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=90)
-  plt.close(fig)
   return path
