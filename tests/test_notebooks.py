@@ -50,6 +50,17 @@ def _images(nb) -> int:
   )
 
 
+def _cells_missing_their_plot(nb) -> list[int]:
+  """Code cells that call plt.show() but have no image output."""
+  return [
+    i
+    for i, cell in enumerate(nb.cells)
+    if cell.cell_type == "code"
+    and "plt.show()" in cell.source
+    and not any("image/png" in out.get("data", {}) for out in cell.get("outputs", []))
+  ]
+
+
 def test_there_are_notebooks():
   assert NOTEBOOKS
 
@@ -60,6 +71,7 @@ def test_notebook_is_committed_with_outputs(path):
   code = [c for c in nb.cells if c.cell_type == "code"]
   assert code and all(c.get("execution_count") for c in code), "run every cell before committing"
   assert _images(nb) >= 1, "the committed notebook shows at least one plot"
+  assert not _cells_missing_their_plot(nb), "cells that plot were committed without their plot"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -78,3 +90,4 @@ def test_notebook_runs_in_a_kernel(path, monkeypatch):
   if path.name in CHECKS:
     assert "checks passed" in text
   assert _images(nb) >= 1
+  assert not _cells_missing_their_plot(nb)  # e.g. a library call switched the backend
