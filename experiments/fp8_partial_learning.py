@@ -308,9 +308,9 @@ def table(stats: dict) -> str:
     "",
     "## Mean over seeds",
     "",
-    "| variant | seeds | test acc after (mean ± std) | points (mean ± std) | mismatch k3 "
-    "| RL s/it |",
-    "|---|---|---|---|---|---|",
+    "| variant | seeds | test acc after (mean ± std) | points (mean ± std) | "
+    "points − hp's on the same seed (mean ± std) | mismatch k3 | RL s/it |",
+    "|---|---|---|---|---|---|---|",
   ]
   for variant in VARIANTS:
     runs = [st for (v, _), st in stats.items() if v == variant]
@@ -320,8 +320,19 @@ def table(stats: dict) -> str:
     pts = 100 * (after - np.asarray([r["before"] for r in runs]))
     sd = (lambda x: f" ± {np.std(x, ddof=1):.1f}") if len(runs) > 1 else (lambda x: "")
     sda = f" ± {np.std(after, ddof=1):.3f}" if len(runs) > 1 else ""
+    paired = [
+      100 * ((st["after"] - st["before"]) - (hp["after"] - hp["before"]))
+      for (v, seed), st in stats.items()
+      if v == variant and (hp := stats.get(("hp", seed))) is not None
+    ]
+    paired_text = "-"
+    if variant != "hp" and paired:
+      paired_text = f"{np.mean(paired):+.1f}" + (
+        f" ± {np.std(paired, ddof=1):.1f}" if len(paired) > 1 else ""
+      )
     lines.append(
       f"| {variant} | {len(runs)} | {after.mean():.3f}{sda} | {pts.mean():+.1f}{sd(pts)} | "
+      f"{paired_text} | "
       f"{_fmt(_mean([r['k3'] for r in runs]), '.2e')} | "
       f"{_mean([r['s_per_it'] for r in runs]):.2f} |"
     )
@@ -344,7 +355,8 @@ def table(stats: dict) -> str:
         f"{st['length_mean']:.2f} | {st['stop_fraction']:.3f} | "
         f"{_fmt(st['recycled'], '.1f')} | {_fmt(st['off_policy'])} |"
       )
-  cmd = " ".join(["python", "experiments/fp8_partial_learning.py", *sys.argv[1:]])
+  args = [a for a in sys.argv[1:] if not a.startswith("--note")]  # the note is this text
+  cmd = " ".join(["python", "experiments/fp8_partial_learning.py", *args])
   lines += ["", f"Rerun: `{cmd}`", ""]
   return "\n".join(lines)
 
@@ -373,7 +385,7 @@ def plots(stats: dict, prefix: str) -> list[str]:
     xlabel="RL iteration",
     ylabel="mismatch k3",
     yscale="log",
-    title="rollout vs trainer mismatch (k3)",
+    title="rollout vs trainer mismatch k3 (hp: float rounding, ~0, off the log axis)",
   )
   for ax in axes:
     ax.legend(fontsize=7)
