@@ -104,7 +104,8 @@ def main(argv):
   lines = [
     f"RL iteration on {config.task.name} ({n} prompts x {k} samples = {rows} rows, "
     f"<= {kwargs['max_new_tokens']} new tokens, loss {config.train.loss}, "
-    f"{config.train.mini_batches} update(s)/iteration, KL coef {config.train.kl_coef}), {jax.devices()[0].platform} "
+    f"{config.train.mini_batches} update(s)/iteration, KL coef {config.train.kl_coef}), "
+    f"{jax.devices()[0].platform} "
     f"x{mesh.size}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}; "
     f"medians of {_ITERATIONS.value} iterations after {_WARMUP.value} compiling ones.",
     "",
