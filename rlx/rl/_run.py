@@ -76,13 +76,57 @@ def _write_json(path: str, value: Any) -> None:
   os.replace(tmp, path)
 
 
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for key, value in tree.items():
+    out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+  return out
+
+
+def _check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Records the run's config in `workdir/config.json`; warns when resuming a different one.
+
+  A workdir resumes whatever run it holds (a finished one only re-reads its
+  summary), so a changed config on an old workdir would otherwise be ignored
+  without a word.
+  """
+  current = json.loads(json.dumps(config.to_dict(), default=str))
+  saved = None
+  for name in ("config.json", "summary.json"):
+    path = os.path.join(workdir, name)
+    if os.path.exists(path):
+      with open(path) as f:
+        value = json.load(f)
+      saved = value if name == "config.json" else value.get("config")
+      if saved is not None:
+        break
+  if saved is None:
+    _write_json(os.path.join(workdir, "config.json"), current)
+    return
+  now, before = _flat(current), _flat(saved)
+  changed = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+  if changed:
+    shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
+    more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+    warnings.warn(
+      f"{workdir} holds a run started with a different config ({shown}{more}); it is "
+      "resumed from its own checkpoints (a finished run only re-reads its summary). Pass "
+      "a new --workdir to start a run with this config.",
+      stacklevel=3,
+    )
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes) a whole experiment in `workdir` and returns its summary.
 
   Warm-up (if `config.warmup.enabled`) until the dev greedy accuracy reaches
   `warmup.target_dev_accuracy`, then `rl.iterations` RL iterations, then the
   held-out test greedy accuracy. Re-running on the same workdir resumes from
-  the last checkpoint (a finished run only re-reads its summary).
+  the last checkpoint (a finished run only re-reads its summary); a config
+  that differs from the one the workdir was started with is warned about
+  (`workdir/config.json`).
 
   Args:
     config: the RL config (`rlx.rl.get_config()` or an experiments config).
@@ -95,6 +139,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   wall_start = time.perf_counter()
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  _check_workdir_config(config, workdir)
   task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
   mesh = build_mesh(config)
   model_config, init_params = build_model(config, task)

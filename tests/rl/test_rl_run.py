@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,3 +135,18 @@ def test_warmup_cap_raises_or_warns(straight):
     lambda x, y: bool(np.any(np.asarray(x) != np.asarray(y))), result.params, params
   )
   assert any(jax.tree.leaves(changed)), "the warm-up steps did not train"
+
+
+def test_resuming_with_a_different_config_warns(straight, tmp_path):
+  workdir, config, summary = straight
+  copy = str(tmp_path / "copy")
+  shutil.copytree(workdir, copy)
+  with open(os.path.join(copy, "config.json")) as f:
+    assert json.load(f)["rl"]["iterations"] == config.rl.iterations
+  changed = rl_test_utils.run_config(**{"log.plots": True, "rl.temperature": 0.5})
+  with pytest.warns(UserWarning, match=r"different config \(rl.temperature: 1.0 -> 0.5\)"):
+    again = rl.run(changed, copy)
+  assert again["accuracy_after"] == summary["accuracy_after"]  # the run it holds, re-read
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    rl.run(rl_test_utils.run_config(**{"log.plots": True}), copy)  # same config: silent

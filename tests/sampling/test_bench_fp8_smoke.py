@@ -4,17 +4,9 @@ import os
 import subprocess
 import sys
 
+import bench_table
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _rows(table: str, header: str) -> dict[str, list[str]]:
-  """The rows of the markdown table under `header`: first cell -> the other cells."""
-  block = table.split(header, 1)[1].split("\n\n", 2)[1]
-  rows = {}
-  for line in block.splitlines()[2:]:
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    rows[cells[0]] = cells[1:]
-  return rows
 
 
 def test_bench_fp8_smoke(tmp_path):
@@ -31,7 +23,7 @@ def test_bench_fp8_smoke(tmp_path):
   assert table.strip() in proc.stdout
   variants = {"bf16 KV", "fp8 KV", "fp8 W8A8 + KV"}
 
-  capacity = _rows(table, "## Capacity and decode speed")
+  capacity = bench_table.rows(table, "## Capacity and decode speed")
   assert set(capacity) == variants
   bf16, fp8 = capacity["bf16 KV"], capacity["fp8 KV"]
   assert int(fp8[0]) * 2 == int(bf16[0])  # KV bytes per token halve
@@ -39,11 +31,11 @@ def test_bench_fp8_smoke(tmp_path):
   assert float(fp8[3].rstrip("x")) >= 1.9 and bf16[3] == "1.00x"
   assert all(float(cells[-1]) > 0 for cells in capacity.values())
 
-  refresh = _rows(table, "## Refresh after a policy update")
+  refresh = bench_table.rows(table, "## Refresh after a policy update")
   assert len(refresh) == 3 and all(cells[-1] == "1" for cells in refresh.values()), refresh
   assert all(float(c[0]) > 0 for name, c in refresh.items() if not name.startswith("sampler"))
 
-  mismatch = _rows(table, "## Rollout-training mismatch")
+  mismatch = bench_table.rows(table, "## Rollout-training mismatch")
   assert set(mismatch) == variants
   for cells in mismatch.values():
     assert float(cells[1]) >= 0 and 0 <= float(cells[2]) <= 1  # k3 >= 0, agreement a fraction

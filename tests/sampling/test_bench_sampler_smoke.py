@@ -5,22 +5,13 @@ import re
 import subprocess
 import sys
 
+import bench_table
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _rows(table: str, header: str) -> dict[str, list[str]]:
-  """The rows of the markdown table under `header`: first cell -> the other cells."""
-  block = table.split(header, 1)[1].split("\n\n", 2)[1]
-  rows = {}
-  for line in block.splitlines()[2:]:
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    rows[cells[0]] = cells[1:]
-  return rows
 
 
 def test_bench_sampler_runs_every_table(tmp_path):
@@ -63,30 +54,30 @@ def test_bench_sampler_runs_every_table(tmp_path):
   table = out.read_text()
   assert table.strip() in proc.stdout
 
-  speed = _rows(table, "## Tokens/s")
+  speed = bench_table.rows(table, "## Tokens/s")
   assert set(speed) == {"rlx", "dense JAX (unroll)", "transformers (threads=1)"}
   # Greedy float32 on the same weights: every sampler produces rlx's tokens.
   assert all(cells[-1] == "100%" for cells in speed.values()), speed
   assert all(float(cells[1]) > 0 for cells in speed.values())
 
-  step = _rows(table, "## Decode step time")
+  step = bench_table.rows(table, "## Decode step time")
   assert step["matmul floor (GEMMs only)"][-1] == "1.00"
   assert {"rlx", "dense JAX (unroll)", "transformers (threads=1)"} <= set(step)
 
-  tail = _rows(table, "## Long tail")
+  tail = bench_table.rows(table, "## Long tail")
   assert {"rlx continuous", "rlx static", "dense JAX static (unroll)"} <= set(tail)
   assert tail["rlx static"][3] == "1.00x" and tail["rlx static"][5] == "1.00x"
 
-  prefix = _rows(table, "## Prefix sharing")
+  prefix = bench_table.rows(table, "## Prefix sharing")
   shared, unshared = prefix["G=2 (shared prompt pages)"], prefix["G=1, each prompt repeated 2x"]
   # 2 prompts of 9 tokens: 8 cached prompt tokens = 2 full pages of 4, held once per prompt.
   assert int(shared[0]) < int(unshared[0])
   assert int(shared[1]) < int(unshared[1])  # the prompt is prefilled once per group
 
-  pool = _rows(table, "## Pool size")
+  pool = bench_table.rows(table, "## Pool size")
   assert len(pool) == 2
 
-  profile = _rows(table, "## Where the time goes")
+  profile = bench_table.rows(table, "## Where the time goes")
   assert float(profile["**all device ops**"][0]) > 0
   assert float(profile["GEMMs (q/k/v/o, MLP, LM head)"][0]) > 0
   assert float(profile["attention: paged (page gather, mask, softmax, dots)"][0]) > 0
