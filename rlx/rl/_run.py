@@ -149,7 +149,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   eval_batch = min(max(config.eval.test_examples, config.eval.dev_examples, 1), 512)
   eval_kwargs = _rollout.sampler_kwargs(config, task, rows=eval_batch, greedy=True)
   # Slots are split over the mesh's batch axes: round up to a multiple of them.
-  shards = math.prod(int(mesh.shape[a]) for a in train.BATCH_AXES if a in mesh.shape)
+  shards = train.batch_axis_size(mesh)
   eval_kwargs["max_slots"] = -(-min(eval_kwargs["max_slots"], eval_batch) // shards) * shards
   sampler = _rollout.make_sampler(model_config, rollout_kwargs, mesh)
   eval_sampler = _rollout.make_sampler(model_config, eval_kwargs, mesh)
