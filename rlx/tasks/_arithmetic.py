@@ -62,6 +62,18 @@ class ArithmeticTask(Task):
     fixed_width: zero-pad operands to `num_digits` and the answer to its
       operation's width (digits + 1 for "+", digits for "-", 2 x digits for
       "*"); False writes numbers without leading zeros.
+    min_digits: None (default) draws operands uniformly in [0, 10**num_digits).
+      An int in [1, num_digits) draws each operand's digit count d from
+      [min_digits, num_digits] with P(d) proportional to digits_decay**(d -
+      min_digits), then the operand uniformly among the d-digit numbers
+      (d = 1: 0-9). With decay < 1 most problems are short and a few are long,
+      so unpadded answers have a long tail of lengths: the length profile of
+      RL rollouts that partial rollouts (APRIL) target.
+    digits_decay: the ratio above, in (0, 1] (1: digit counts uniform).
+    pad_answer: zero-pad the answer to its operation's width; None (default)
+      follows `fixed_width`. With `fixed_width=True, pad_answer=False` the
+      operands keep their fixed positions (one fixed offset per answer digit)
+      while the answer has its natural length.
     train_size, dev_size, test_size: problems per split (disjoint).
     seed: the seed of the split generator.
     add_bos: start each prompt with `<bos>`.
@@ -84,6 +96,9 @@ class ArithmeticTask(Task):
     seed: int = 0,
     add_bos: bool = True,
     require_stop: bool = True,
+    min_digits: int | None = None,
+    digits_decay: float = 0.5,
+    pad_answer: bool | None = None,
     name: str = "arithmetic",
   ):
     self.name = name
@@ -91,6 +106,19 @@ class ArithmeticTask(Task):
       raise ValueError(
         f"Task {name!r}: `num_digits` must be an int in [1, 18], got {num_digits!r}."
       )
+    if min_digits is not None and (
+      isinstance(min_digits, bool)
+      or not isinstance(min_digits, int)
+      or not 1 <= min_digits <= num_digits
+    ):
+      raise ValueError(
+        f"Task {name!r}: `min_digits` must be None or an int in [1, num_digits={num_digits}], "
+        f"got {min_digits!r}."
+      )
+    if not isinstance(digits_decay, (int, float)) or not 0.0 < float(digits_decay) <= 1.0:
+      raise ValueError(f"Task {name!r}: `digits_decay` must be in (0, 1], got {digits_decay!r}.")
+    if pad_answer is not None and not isinstance(pad_answer, bool):
+      raise ValueError(f"Task {name!r}: `pad_answer` must be None or a bool, got {pad_answer!r}.")
     if isinstance(operations, str):
       operations = tuple(operations)
     operations = tuple(operations)
@@ -110,6 +138,9 @@ class ArithmeticTask(Task):
     self.reverse_answer = reverse_answer
     self.reverse_operands = reverse_operands
     self.fixed_width = fixed_width
+    self.min_digits = min_digits
+    self.digits_decay = float(digits_decay)
+    self.pad_answer = fixed_width if pad_answer is None else pad_answer
     self.seed = seed
     self.add_bos = add_bos
     self.require_stop = require_stop
@@ -126,6 +157,8 @@ class ArithmeticTask(Task):
   def _draw(self, sizes: dict[str, int]) -> dict[str, list[tuple[str, int, int]]]:
     """Distinct problems per split; keys are (op, min, max) so commuted forms collide."""
     total = sum(sizes.values())
+    if self.min_digits is not None and self.min_digits < self.num_digits:
+      return self._split_draw(self._draw_by_digits(total), sizes)
     m = 10**self.num_digits
     per_op = m * (m + 1) // 2  # unordered operand pairs
     space = per_op * len(self.operations)
@@ -160,11 +193,53 @@ class ArithmeticTask(Task):
           drawn.append((op, max(x, y), min(x, y)) if op == "-" else (op, x, y))
           if len(drawn) == total:
             break
+    return self._split_draw(drawn, sizes)
+
+  @staticmethod
+  def _split_draw(drawn, sizes):
     out, start = {}, 0
     for split in ("test", "dev", "train"):
       out[split] = drawn[start : start + sizes[split]]
       start += sizes[split]
     return out
+
+  def _draw_by_digits(self, total: int) -> list[tuple[str, int, int]]:
+    """`total` distinct problems whose operands' digit counts follow `digits_decay`."""
+    lo_d, hi_d = self.min_digits, self.num_digits
+    counts = np.arange(lo_d, hi_d + 1)
+    p = self.digits_decay ** (counts - lo_d).astype(np.float64)
+    p /= p.sum()
+    values = 10**hi_d - (10 ** (lo_d - 1) if lo_d > 1 else 0)
+    space = values * (values + 1) // 2 * len(self.operations)
+    if total > space:
+      raise ValueError(
+        f"Task {self.name!r}: {total} problems requested but only {space} distinct ones exist "
+        f"with min_digits={lo_d}, num_digits={hi_d} and operations={self.operations}."
+      )
+    rng = np.random.default_rng(self.seed)
+    drawn: list[tuple[str, int, int]] = []
+    seen = set()
+    for _ in range(max(64, 64 * total // _CHUNK)):
+      ops = rng.integers(0, len(self.operations), size=_CHUNK)
+      pair = []
+      for _operand in range(2):
+        d = rng.choice(counts, size=_CHUNK, p=p)
+        low = np.where(d == 1, 0, 10 ** (d - 1).astype(np.int64))
+        pair.append(low + np.floor(rng.random(_CHUNK) * (10**d - low)).astype(np.int64))
+      for o, x, y in zip(ops.tolist(), pair[0].tolist(), pair[1].tolist(), strict=True):
+        op = self.operations[o]
+        key = (op, min(x, y), max(x, y))
+        if key in seen:
+          continue
+        seen.add(key)
+        drawn.append((op, max(x, y), min(x, y)) if op == "-" else (op, x, y))
+        if len(drawn) == total:
+          return drawn
+    raise ValueError(
+      f"Task {self.name!r}: could not draw {total} distinct problems with min_digits={lo_d} and "
+      f"digits_decay={self.digits_decay} (the likely digit counts hold too few problems); "
+      f"raise min_digits or digits_decay, or request fewer problems."
+    )
 
   def _number(self, value: int, width: int) -> str:
     return str(value).zfill(width) if self.fixed_width else str(value)
@@ -175,7 +250,8 @@ class ArithmeticTask(Task):
     if self.reverse_operands:
       left, right = left[::-1], right[::-1]
     prompt = f"{left}{op}{right}="
-    answer = self._number(value, _answer_width(op, self.num_digits))
+    width = _answer_width(op, self.num_digits) if self.pad_answer else 0
+    answer = str(value).zfill(width)
     if self.reverse_answer:
       answer = answer[::-1]
     tok = self.tokenizer

@@ -108,9 +108,45 @@ def test_small_problem_space_is_enumerated_and_bounded():
     tasks.ArithmeticTask(num_digits=1, train_size=50, dev_size=5, test_size=1)
 
 
+def test_digit_count_distribution_gives_a_long_tail_of_answer_lengths():
+  task = tasks.ArithmeticTask(
+    num_digits=8, min_digits=2, digits_decay=0.5, pad_answer=False, train_size=3000, seed=2
+  )
+  assert task.max_prompt_len == 19 and task.max_answer_len == 10  # 9 digits + <eos>
+  keys = [_key(e) for s in tasks.SPLITS for e in task.split(s)]
+  assert len(keys) == len(set(keys)) == 3700  # distinct across and within splits
+  digits = []
+  for example in task.split("train"):
+    a, op, b = _parse(example.prompt_text)
+    # Operands keep their fixed (reversed, zero-padded) positions; the answer
+    # has its natural length.
+    assert example.prompt_text == f"{str(a).zfill(8)[::-1]}+{str(b).zfill(8)[::-1]}="
+    assert example.answer == str(a + b)[::-1]
+    digits += [len(str(a)), len(str(b))]
+  counts = np.bincount(digits, minlength=9)[2:]
+  assert counts.sum() == 6000
+  # P(d) ~ 0.5 ** (d - 2) over d in [2, 8]: halves per digit (binomial noise).
+  want = 0.5 ** np.arange(7) / (0.5 ** np.arange(7)).sum() * 6000
+  np.testing.assert_allclose(counts[:4], want[:4], rtol=0.1)
+  lengths = np.array([len(e.target_ids) for e in task.split("train")])
+  assert np.median(lengths) <= 5 and lengths.max() >= 9  # most short, a few at the maximum
+  # Uniform digit counts, answers padded (pad_answer follows fixed_width); the
+  # default task's stream is untouched by the options.
+  flat = tasks.ArithmeticTask(num_digits=4, min_digits=1, digits_decay=1.0, train_size=500)
+  flat_digits = [len(str(_parse(e.prompt_text)[0])) for e in flat.split("train")]
+  assert np.bincount(flat_digits)[1:].min() > 80  # every digit count ~125 times
+  assert {len(e.answer) for e in flat.split("train")} == {5}
+  assert tasks.ArithmeticTask(min_digits=3).split("test") == _task().split("test")
+
+
 @pytest.mark.parametrize(
   "kwargs, match",
   [
+    ({"min_digits": 0}, "min_digits"),
+    ({"min_digits": 4}, "min_digits"),
+    ({"min_digits": 1, "digits_decay": 0.0}, "digits_decay"),
+    ({"min_digits": 1, "digits_decay": 1.5}, "digits_decay"),
+    ({"pad_answer": 1}, "pad_answer"),
     ({"num_digits": 0}, "num_digits"),
     ({"operations": ("/",)}, "operations"),
     ({"operations": ()}, "operations"),
