@@ -64,8 +64,19 @@ def test_over_provision_is_validated():
       rl.validate_config(_config(**{"rollout.over_provision": bad}))
 
 
-def test_killed_run_with_a_buffer_resumes_and_loses_nothing(tmp_path, monkeypatch):
-  config = _config()
+FP8_TIS = {
+  "rollout.weight_dtype": "fp8_e4m3",
+  "rollout.kv_dtype": "fp8_e4m3",
+  "train.use_rollout_correction": True,
+  "train.rollout_correction_kwargs.level": "token",
+}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["high_precision", "fp8_tis"])
+def test_killed_run_with_a_buffer_resumes_and_loses_nothing(tmp_path, monkeypatch, fp8):
+  # With FP8 rollout the restart must also restore the recalibrated KV scales
+  # (and re-quantize the weights) exactly, or its rollouts and metrics differ.
+  config = _config(**(FP8_TIS if fp8 else {}))
   straight = str(tmp_path / "straight")
   assert rl.run(config, straight)["iterations"] == 4
   records = _rl_records(straight)
@@ -107,3 +118,7 @@ def test_killed_run_with_a_buffer_resumes_and_loses_nothing(tmp_path, monkeypatc
   assert drawn["epoch"] == 0 and drawn["index"] == 4 * 4 + int(a.extra["rollout_buffer"]["count"])
   for k, v in a.extra["rollout_buffer"].items():
     np.testing.assert_array_equal(v, b.extra["rollout_buffer"][k], err_msg=k)
+  if fp8:
+    assert all(r["mismatch_k3"] > 0 for r in records)
+    for k, v in a.extra["kv_scales"].items():
+      np.testing.assert_array_equal(v, b.extra["kv_scales"][k], err_msg=k)
