@@ -1,7 +1,8 @@
 r"""Learning checks of the two rollout levers: FP8 rollout (+ token TIS) and partial rollouts.
 
-Every variant is the main job (experiments/configs/arithmetic.py) with a few
-config overrides, run by `rlx.rl.run` one after the other in this process
+Every variant is the main job (experiments/configs/arithmetic.py, or --config:
+experiments/configs/arithmetic_tail.py is the same job on a task with a long
+tail of answer lengths) with a few config overrides, run by `rlx.rl.run` one after the other in this process
 (never two at once), each in `--workdir/<variant>_s<seed>`:
 
   hp            high-precision rollout (the config as it is)
@@ -272,7 +273,8 @@ def table(stats: dict) -> str:
   lines = [
     "# FP8 rollout and partial rollouts: learning checks on the arithmetic task",
     "",
-    f"Base config: experiments/configs/arithmetic.py with rl.iterations = {_ITERATIONS.value} "
+    f"Base config: {os.path.relpath(_CONFIG.value, os.path.dirname(_ROOT))} with "
+    f"rl.iterations = {_ITERATIONS.value} "
     "(and optimizer.decay_steps = iterations) for EVERY variant; variants as in "
     "experiments/fp8_partial_learning.py. Test accuracy = greedy exact match on the 500 "
     "held-out problems, before RL (after the warm-up) and after the last iteration. "

@@ -1,12 +1,24 @@
 """rlx.rl: config validation, advantages by baseline, batch layout, prompt cursor (no model)."""
 
+import importlib.util
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import rl_test_utils
 
-from rlx import objectives, rl
+from rlx import objectives, rl, tasks
+
+_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
+
+
+def _experiment_config(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(_CONFIGS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 @pytest.mark.parametrize(
@@ -40,6 +52,20 @@ def test_default_and_experiment_configs_validate():
   rl.validate_config(rl.get_config())
   assert rl.samples_per_prompt(rl_test_utils.tiny_config(**{"rl.baseline": "median"})) == 5
   assert rl.train_config(rl_test_utils.tiny_config(**{"rl.temperature": 0.7})).temperature == 0.7
+
+
+def test_long_tail_config_is_the_main_job_on_a_task_with_a_length_tail():
+  base, tail = _experiment_config("arithmetic"), _experiment_config("arithmetic_tail")
+  for config in (base, tail):
+    rl.validate_config(config)
+  assert tail.rl.to_dict() == base.rl.to_dict() and tail.train.to_dict() == base.train.to_dict()
+  lengths = {}
+  for name, config in (("base", base), ("tail", tail)):
+    task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+    lengths[name] = np.array([len(e.target_ids) for e in task.split("train")])
+  assert set(lengths["base"]) == {5}  # every answer 4 digits + <eos>: no tail
+  short, long = np.percentile(lengths["tail"], [50, 99])
+  assert short <= 5 and long >= 10 and lengths["tail"].max() >= 11  # 10-11 digits + <eos>
 
 
 @pytest.mark.parametrize("baseline", rl.BASELINES)
