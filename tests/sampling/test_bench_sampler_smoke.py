@@ -63,6 +63,7 @@ def test_bench_sampler_runs_every_table(tmp_path):
   step = bench_table.rows(table, "## Decode step time")
   assert step["matmul floor (GEMMs only)"][-1] == "1.00"
   assert {"rlx", "dense JAX (unroll)", "transformers (threads=1)"} <= set(step)
+  assert "3x transformers needs a step of" in table and "1.3x dense JAX needs a step of" in table
 
   tail = bench_table.rows(table, "## Long tail")
   assert {"rlx continuous", "rlx static", "dense JAX static (unroll)"} <= set(tail)
