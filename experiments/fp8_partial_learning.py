@@ -275,14 +275,13 @@ def table(stats: dict) -> str:
     "",
     f"Base config: {os.path.relpath(_CONFIG.value, os.path.dirname(_ROOT))} with "
     f"rl.iterations = {_ITERATIONS.value} "
-    "(and optimizer.decay_steps = iterations) for EVERY variant; variants as in "
+    "(and optimizer.decay_steps = iterations x train.mini_batches) for EVERY variant; variants as in "
     "experiments/fp8_partial_learning.py. Test accuracy = greedy exact match on the 500 "
     "held-out problems, before RL (after the warm-up) and after the last iteration. "
     "k1 / k3 = the train step's mismatch_k1 / mismatch_k3 (KL(rollout || trainer) of the "
     "sampled tokens: FP8 sampler vs float32 trainer; with partial rollouts also staleness), "
-    "mean over iterations. Wall times: the machine (2 CPU cores) was SHARED with other jobs "
-    "during these runs, so times are noisy and only comparable within a row pair run "
-    "back to back; accuracy does not depend on the load.",
+    "mean over iterations. Wall times follow the machine's load (the note below says what "
+    "else ran); accuracy does not depend on it (the runs are deterministic).",
   ]
   if _NOTE.value:
     lines += ["", _NOTE.value]
@@ -357,7 +356,8 @@ def table(stats: dict) -> str:
         f"{st['length_mean']:.2f} | {st['stop_fraction']:.3f} | "
         f"{_fmt(st['recycled'], '.1f')} | {_fmt(st['off_policy'])} |"
       )
-  args = [a for a in sys.argv[1:] if not a.startswith("--note")]  # the note is this text
+  # The note is this text; --table_only only re-reads finished runs (the command reruns them).
+  args = [a for a in sys.argv[1:] if not a.startswith("--note") and a != "--table_only"]
   cmd = " ".join(["python", "experiments/fp8_partial_learning.py", *args])
   lines += ["", f"Rerun: `{cmd}`", ""]
   return "\n".join(lines)
@@ -372,6 +372,10 @@ def plots(stats: dict, prefix: str) -> list[str]:
   colors = {"hp": "C0", "fp8_tis": "C1", "fp8_nocorr": "C3", "sync_host": "C0", "partial": "C2",
             "tail_sync": "C4", "tail_partial": "C5"}  # fmt: skip
   out = []
+  fp8_runs = [k for k in stats if k[0] in ("hp", "fp8_tis", "fp8_nocorr")]
+  rollout_runs = [k for k in stats if k[0] in ("sync_host", "partial", "tail_sync", "tail_partial")]
+  if not fp8_runs:
+    return out + _partial_plot(stats, prefix, colors, plt) if rollout_runs else out
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   for (variant, seed), st in sorted(stats.items()):
     if variant not in ("hp", "fp8_tis", "fp8_nocorr"):
@@ -397,6 +401,10 @@ def plots(stats: dict, prefix: str) -> list[str]:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   out.append(path)
+  return out + (_partial_plot(stats, prefix, colors, plt) if rollout_runs else [])
+
+
+def _partial_plot(stats, prefix, colors, plt):
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for (variant, seed), st in sorted(stats.items()):
     if variant not in ("sync_host", "partial", "tail_sync", "tail_partial", "hp") or seed != 0:
@@ -404,7 +412,7 @@ def plots(stats: dict, prefix: str) -> list[str]:
     xs, ys = zip(*st["dev_clock"], strict=True) if st["dev_clock"] else ((), ())
     style = "--" if variant == "hp" else "-"
     ax.plot(xs, ys, style, color=colors[variant], marker=".", label=f"{variant} s{seed}")
-  ax.set(xlabel="RL wall-clock (s, shared machine)", ylabel="dev greedy accuracy",
+  ax.set(xlabel="RL wall-clock (s)", ylabel="dev greedy accuracy",
          title="partial vs synchronous rollouts")  # fmt: skip
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
@@ -412,8 +420,7 @@ def plots(stats: dict, prefix: str) -> list[str]:
   path = f"{prefix}_partial.png"
   fig.savefig(path, dpi=110)
   plt.close(fig)
-  out.append(path)
-  return out
+  return [path]
 
 
 def main(argv):
