@@ -2,8 +2,9 @@ r"""Learning checks of the two rollout levers: FP8 rollout (+ token TIS) and par
 
 Every variant is the main job (experiments/configs/arithmetic.py, or --config:
 experiments/configs/arithmetic_tail.py is the same job on a task with a long
-tail of answer lengths) with a few config overrides, run by `rlx.rl.run` one after the other in this process
-(never two at once), each in `--workdir/<variant>_s<seed>`:
+tail of answer lengths) with a few config overrides, run by `rlx.rl.run` one
+after the other in this process (never two at once), each in
+`--workdir/<variant>_s<seed>`:
 
   hp            high-precision rollout (the config as it is)
   fp8_tis       rollout.weight_dtype = rollout.kv_dtype = "fp8_e4m3" (W8A8 decoder
@@ -275,9 +276,10 @@ def table(stats: dict) -> str:
     "",
     f"Base config: {os.path.relpath(_CONFIG.value, os.path.dirname(_ROOT))} with "
     f"rl.iterations = {_ITERATIONS.value} "
-    "(and optimizer.decay_steps = iterations x train.mini_batches) for EVERY variant; variants as in "
-    "experiments/fp8_partial_learning.py. Test accuracy = greedy exact match on the 500 "
-    "held-out problems, before RL (after the warm-up) and after the last iteration. "
+    "(and optimizer.decay_steps = iterations x train.mini_batches) for EVERY variant; "
+    "variants as in experiments/fp8_partial_learning.py. Test accuracy = greedy exact "
+    "match on the 500 held-out problems, before RL (after the warm-up) and after the last "
+    "iteration. "
     "k1 / k3 = the train step's mismatch_k1 / mismatch_k3 (KL(rollout || trainer) of the "
     "sampled tokens: FP8 sampler vs float32 trainer; with partial rollouts also staleness), "
     "mean over iterations. Wall times follow the machine's load (the note below says what "
