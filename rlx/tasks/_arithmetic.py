@@ -162,11 +162,7 @@ class ArithmeticTask(Task):
     m = 10**self.num_digits
     per_op = m * (m + 1) // 2  # unordered operand pairs
     space = per_op * len(self.operations)
-    if total > space:
-      raise ValueError(
-        f"Task {self.name!r}: {total} problems requested but only {space} distinct ones exist "
-        f"with num_digits={self.num_digits} and operations={self.operations}."
-      )
+    self._check_space(total, space, f"num_digits={self.num_digits}")
     rng = np.random.default_rng(self.seed)
     drawn: list[tuple[str, int, int]] = []
     # The draw is a prefix of one fixed stream (enumerated when the space is
@@ -184,16 +180,28 @@ class ArithmeticTask(Task):
         ops = rng.integers(0, len(self.operations), size=_CHUNK)
         a = rng.integers(0, m, size=_CHUNK, dtype=np.int64)
         b = rng.integers(0, m, size=_CHUNK, dtype=np.int64)
-        for o, x, y in zip(ops.tolist(), a.tolist(), b.tolist(), strict=True):
-          op = self.operations[o]
-          key = (op, min(x, y), max(x, y))
-          if key in seen:
-            continue
-          seen.add(key)
-          drawn.append((op, max(x, y), min(x, y)) if op == "-" else (op, x, y))
-          if len(drawn) == total:
-            break
+        self._add_distinct(ops, a, b, seen, drawn, total)
     return self._split_draw(drawn, sizes)
+
+  def _check_space(self, total: int, space: int, what: str) -> None:
+    if total > space:
+      raise ValueError(
+        f"Task {self.name!r}: {total} problems requested but only {space} distinct ones exist "
+        f"with {what} and operations={self.operations}."
+      )
+
+  def _add_distinct(self, ops, a, b, seen: set, drawn: list, total: int) -> None:
+    """Appends the problems `(ops[i], a[i], b[i])` not `seen` yet (commuted forms
+    collide; "-" puts the larger operand first) until `drawn` holds `total`."""
+    for o, x, y in zip(ops.tolist(), a.tolist(), b.tolist(), strict=True):
+      op = self.operations[o]
+      key = (op, min(x, y), max(x, y))
+      if key in seen:
+        continue
+      seen.add(key)
+      drawn.append((op, max(x, y), min(x, y)) if op == "-" else (op, x, y))
+      if len(drawn) == total:
+        return
 
   @staticmethod
   def _split_draw(drawn, sizes):
@@ -211,11 +219,7 @@ class ArithmeticTask(Task):
     p /= p.sum()
     values = 10**hi_d - (10 ** (lo_d - 1) if lo_d > 1 else 0)
     space = values * (values + 1) // 2 * len(self.operations)
-    if total > space:
-      raise ValueError(
-        f"Task {self.name!r}: {total} problems requested but only {space} distinct ones exist "
-        f"with min_digits={lo_d}, num_digits={hi_d} and operations={self.operations}."
-      )
+    self._check_space(total, space, f"min_digits={lo_d}, num_digits={hi_d}")
     rng = np.random.default_rng(self.seed)
     drawn: list[tuple[str, int, int]] = []
     seen = set()
@@ -226,15 +230,9 @@ class ArithmeticTask(Task):
         d = rng.choice(counts, size=_CHUNK, p=p)
         low = np.where(d == 1, 0, 10 ** (d - 1).astype(np.int64))
         pair.append(low + np.floor(rng.random(_CHUNK) * (10**d - low)).astype(np.int64))
-      for o, x, y in zip(ops.tolist(), pair[0].tolist(), pair[1].tolist(), strict=True):
-        op = self.operations[o]
-        key = (op, min(x, y), max(x, y))
-        if key in seen:
-          continue
-        seen.add(key)
-        drawn.append((op, max(x, y), min(x, y)) if op == "-" else (op, x, y))
-        if len(drawn) == total:
-          return drawn
+      self._add_distinct(ops, pair[0], pair[1], seen, drawn, total)
+      if len(drawn) == total:
+        return drawn
     raise ValueError(
       f"Task {self.name!r}: could not draw {total} distinct problems with min_digits={lo_d} and "
       f"digits_decay={self.digits_decay} (the likely digit counts hold too few problems); "
