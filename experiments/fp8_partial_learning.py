@@ -395,15 +395,19 @@ def plots(stats: dict, prefix: str) -> list[str]:
     yscale="log",
     title="rollout vs trainer mismatch k3 (hp: float rounding, ~0, off the log axis)",
   )
+  out.append(_finish(fig, axes, f"{prefix}_fp8.png", plt, fontsize=7))
+  return out + (_partial_plot(stats, prefix, colors, plt) if rollout_runs else [])
+
+
+def _finish(fig, axes, path, plt, *, fontsize):
+  """Legends, grids and layout of `axes`; saves `fig` to `path` and returns it."""
   for ax in axes:
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=fontsize)
     ax.grid(alpha=0.3)
   fig.tight_layout()
-  path = f"{prefix}_fp8.png"
   fig.savefig(path, dpi=110)
   plt.close(fig)
-  out.append(path)
-  return out + (_partial_plot(stats, prefix, colors, plt) if rollout_runs else [])
+  return path
 
 
 def _partial_plot(stats, prefix, colors, plt):
@@ -416,13 +420,7 @@ def _partial_plot(stats, prefix, colors, plt):
     ax.plot(xs, ys, style, color=colors[variant], marker=".", label=f"{variant} s{seed}")
   ax.set(xlabel="RL wall-clock (s)", ylabel="dev greedy accuracy",
          title="partial vs synchronous rollouts")  # fmt: skip
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  path = f"{prefix}_partial.png"
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
+  return [_finish(fig, [ax], f"{prefix}_partial.png", plt, fontsize=8)]
 
 
 def main(argv):
