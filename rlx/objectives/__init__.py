@@ -67,6 +67,7 @@ from rlx.objectives._median import (
 )
 from rlx.objectives._metrics import (
   PolicyLossMetrics,
+  policy_loss_metrics,
 )
 from rlx.objectives._minpro import (
   minpro_loss,
@@ -90,6 +91,8 @@ from rlx.objectives._registry import (
   PolicyLossSpec,
   get_policy_loss,
   get_policy_loss_spec,
+  policy_loss_spec,
+  register_policy_loss,
 )
 from rlx.objectives._rejection import (
   rollout_rejection_mask,
@@ -134,9 +137,12 @@ __all__ = (
   "MismatchKL",
   "POLICY_LOSS_SPECS",
   "POLICY_LOSSES",
+  "policy_loss_metrics",
+  "policy_loss_spec",
   "PolicyLossMetrics",
   "PolicyLossSpec",
   "ppo_clip_loss",
+  "register_policy_loss",
   "renormalize_weights",
   "rloo_advantages",
   "rollout_correction",

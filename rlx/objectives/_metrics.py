@@ -50,10 +50,14 @@ def policy_loss_metrics(
   clipped_dual: jax.Array | None = None,
   is_weights: jax.Array | None = None,
 ) -> PolicyLossMetrics:
-  """Builds `PolicyLossMetrics` from per-token arrays (internal helper).
+  """Builds the `PolicyLossMetrics` a policy loss returns, from its per-token arrays.
+
+  Every built-in loss and every loss registered with `register_policy_loss`
+  returns its metrics through this: fractions and means over the `valid`
+  tokens, all detached float32 scalars.
 
   Args:
-    valid: bool mask with shape `[B, T]`.
+    valid: the tokens that count, with shape `[B, T]` (bool, or 0/1 values).
     log_ratio: clamped token log-ratio `lp - olp`, float32 `[B, T]`.
     ratio: the ratio the loss clips, float32 `[B, T]`.
     clipped_low / clipped_high / clipped_dual: bool `[B, T]` (None: never).
@@ -63,6 +67,13 @@ def policy_loss_metrics(
     `PolicyLossMetrics` of stop-gradient float32 scalars.
   """
   valid, log_ratio, ratio = jax.lax.stop_gradient((valid, log_ratio, ratio))
+  if valid.dtype != jnp.bool_:
+    valid = valid != 0
+  if log_ratio.shape != valid.shape or ratio.shape != valid.shape:
+    raise ValueError(
+      f"`log_ratio` {log_ratio.shape} and `ratio` {ratio.shape} must have the shape of "
+      f"`valid` {valid.shape}."
+    )
 
   def frac(flags):
     if flags is None:

@@ -26,6 +26,7 @@ def bapo_clip_kwargs(
   cfg: ml_collections.ConfigDict,
   mesh: Mesh,
   gather: _gather.FsdpGather,
+  spec: objectives.PolicyLossSpec | None = None,
 ) -> tuple[dict, dict]:
   """The loss's clip keywords from BAPO bounds of one mini-batch, and their metrics.
 
@@ -36,12 +37,13 @@ def bapo_clip_kwargs(
     cfg: the train config (`bapo_kwargs`, micro_batches, loss).
     mesh: the mesh.
     gather: the `FsdpGather` of the forward.
+    spec: the policy loss; None = the registry entry of `cfg.loss`.
 
   Returns:
     `(clip_kwargs, metrics)`: the keywords of `spec.clip_keywords` to pass to
     the loss, and f32 scalars bapo_c_low, bapo_c_high, bapo_positive_share.
   """
-  spec = _config.loss_spec(cfg)
+  spec = _config.loss_spec(cfg, spec)
   kwargs = _config.to_kwargs(cfg.bapo_kwargs)
   if "dual_clip" not in spec.clip_keywords:
     kwargs["dual_clip"] = None  # the loss has no dual clip: no token loses its gradient to one

@@ -42,8 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
   """
   c = ml_collections.ConfigDict()
   # --- objective ---
-  # Policy loss: any key of rlx.objectives.POLICY_LOSS_SPECS
-  # ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo").
+  # Policy loss: any key of rlx.objectives.POLICY_LOSS_SPECS: the built-ins
+  # ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo") and any loss
+  # registered with rlx.objectives.register_policy_loss.
   c.loss = "ppo"
   # Keyword hyper-parameters of the loss (clip_low, clip_high, dual_clip, ...);
   # empty = the loss's own defaults. Checked against the loss's signature.
@@ -143,16 +144,23 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
+def validate_config(
+  config: ml_collections.ConfigDict, *, spec: objectives.PolicyLossSpec | None = None
+) -> None:
   """Raises ValueError naming the first invalid field of a train config.
 
   Checks every field's value, that the config has exactly the fields of
   `get_config()` (a misspelt or missing field is named, also in an unlocked
   copy), and that each `*_kwargs` section names only keywords of its function.
+
+  Args:
+    config: the train config.
+    spec: the policy loss to check `loss_kwargs` against instead of the
+      registry entry of `config.loss` (`make_train_step(loss=...)`).
   """
   _check_fields(config, get_config(), "config")
   _check_numbers_and_flags(config)
-  spec = loss_spec(config)
+  spec = loss_spec(config, spec)
   _choice(config.agg, objectives.AGG_MODES + ("default",), "config.agg")
   _choice(config.kl_kind, objectives.KL_KINDS, "config.kl_kind")
   _choice(config.optimizer.schedule, SCHEDULES, "config.optimizer.schedule")
@@ -251,8 +259,12 @@ FIELD_RULES: dict[str, Any] = {
 CHOICE_FIELDS = ("loss", "agg", "kl_kind", "optimizer.schedule", "nonfinite")
 
 
-def loss_spec(config: ml_collections.ConfigDict) -> objectives.PolicyLossSpec:
-  """The registry entry (`rlx.objectives.PolicyLossSpec`) of `config.loss`."""
+def loss_spec(
+  config: ml_collections.ConfigDict, spec: objectives.PolicyLossSpec | None = None
+) -> objectives.PolicyLossSpec:
+  """The registry entry (`rlx.objectives.PolicyLossSpec`) of `config.loss` (or `spec`, if given)."""
+  if spec is not None:
+    return spec
   if config.loss not in objectives.POLICY_LOSS_SPECS:
     raise ValueError(
       f"`config.loss` must be one of {sorted(objectives.POLICY_LOSS_SPECS)}, got {config.loss!r}."
@@ -260,11 +272,13 @@ def loss_spec(config: ml_collections.ConfigDict) -> objectives.PolicyLossSpec:
   return objectives.get_policy_loss_spec(config.loss)
 
 
-def resolve_agg(config: ml_collections.ConfigDict) -> str:
+def resolve_agg(
+  config: ml_collections.ConfigDict, spec: objectives.PolicyLossSpec | None = None
+) -> str:
   """The aggregation mode of a config: `config.agg`, or the loss's registered default."""
   if config.agg != "default":
     return config.agg
-  return loss_spec(config).default_agg
+  return loss_spec(config, spec).default_agg
 
 
 def to_kwargs(section: Any) -> dict:

@@ -6,8 +6,10 @@
 with Z the mini-batch's denominator (`rlx.objectives.aggregate_scale`), so the
 micro-batch losses sum to the mini-batch's (gradient accumulation with the
 global token count, as verl's `agg_loss`). The policy loss is the registry
-entry `rlx.objectives.get_policy_loss_spec(config.loss)`: its extra inputs
-(e.g. ASPO's entropy) come from `spec.extra_inputs`, never from its name.
+entry `rlx.objectives.get_policy_loss_spec(config.loss)` (or the spec passed
+to `make_train_step(loss=...)`): its extra inputs (e.g. ASPO's entropy) come
+from `spec.extra_inputs`, never from its name, and reach it detached unless
+`spec.differentiable_entropy`.
 """
 
 from typing import Any
@@ -23,19 +25,25 @@ from rlx.train import _config, _forward, _gather
 _EXTRA_INPUTS = ("entropy",)
 
 
-def make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict, gather: _gather.FsdpGather):
+def make_loss_fn(
+  model_config: Any,
+  cfg: ml_collections.ConfigDict,
+  gather: _gather.FsdpGather,
+  spec: objectives.PolicyLossSpec | None = None,
+):
   """`loss_fn(params, micro, agg_scale, clip_kwargs) -> (loss, aux)` for one micro-batch.
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
     cfg: the validated train config.
     gather: the `FsdpGather` of the forward.
+    spec: the policy loss; None = the registry entry of `cfg.loss`.
 
   Returns:
     The loss function; `aux` holds the loss terms, the masked entropy sum,
     the valid-token count and the loss's `PolicyLossMetrics` as a dict.
   """
-  spec = _config.loss_spec(cfg)
+  spec = _config.loss_spec(cfg, spec)
   unsupported = sorted(set(spec.extra_inputs) - set(_EXTRA_INPUTS))
   if unsupported:
     raise ValueError(
@@ -43,7 +51,7 @@ def make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict, gather: _gat
       f"(it provides {_EXTRA_INPUTS})."
     )
   loss_kwargs = _config.to_kwargs(cfg.loss_kwargs)
-  agg = _config.resolve_agg(cfg)
+  agg = _config.resolve_agg(cfg, spec)
   kl_coef = float(cfg.kl_coef)
   entropy_coef = float(cfg.entropy_coef)
   # Per-layer FSDP gathering needs the layer loop (one gathered layer live at a time).
@@ -54,9 +62,10 @@ def make_loss_fn(model_config: Any, cfg: ml_collections.ConfigDict, gather: _gat
   def loss_fn(params, micro: dict, agg_scale: jax.Array, clip_kwargs: dict):
     mask = micro["loss_mask"]
     logp, entropy = _forward.batch_logprobs(params, micro, model_config, cfg, gather, unroll=unroll)
+    # The loss sees the entropy detached unless its spec asks for the gradient.
+    extra = {"entropy": entropy if spec.differentiable_entropy else jax.lax.stop_gradient(entropy)}
     if entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
-    extra = {"entropy": jax.lax.stop_gradient(entropy)}
     policy_loss, policy_metrics = spec.fn(
       logp,
       micro["old_logp"],

@@ -30,7 +30,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlx import policy
+from rlx import objectives, policy
 from rlx.train import (
   _batch,
   _config,
@@ -53,6 +53,7 @@ def make_train_step(
   *,
   donate: bool = True,
   optimizer: optax.GradientTransformation | None = None,
+  loss: str | Callable | objectives.PolicyLossSpec | None = None,
 ) -> _host.TrainStep:
   """Builds the jitted, sharded `train_step(state, batch) -> (state, metrics)`.
 
@@ -118,12 +119,18 @@ def make_train_step(
       pass the same one to `create_train_state` / `abstract_train_state`. The
       logged learning_rate stays `make_schedule(train_config)` at the update
       counter.
+    loss: the policy loss, instead of the registry entry `train_config.loss`:
+      a registered name, a `rlx.objectives.PolicyLossSpec`, or a loss function
+      (made a spec by `rlx.objectives.policy_loss_spec`, so with no extra
+      inputs or clip keywords). `train_config.loss_kwargs` are checked
+      against it. None (default): `train_config.loss`.
 
   Returns:
     A `TrainStep`; call it as `state, metrics = train_step(state, batch)`, or
     trace `train_step.step_fn(state, batch)` inside your own jit.
   """
-  _config.validate_config(train_config)
+  spec = _resolve_loss(loss)
+  _config.validate_config(train_config, spec=spec)
   cfg = train_config
   optimizer = optimizer if optimizer is not None else _optimizer.make_optimizer(cfg)
   params_shape = jax.eval_shape(
@@ -132,7 +139,7 @@ def make_train_step(
   shardings = _state.train_state_shardings(
     params_shape, model_config, cfg, mesh, optimizer=optimizer
   )
-  step_fn = make_step_fn(model_config, cfg, mesh, optimizer)
+  step_fn = make_step_fn(model_config, cfg, mesh, optimizer, spec=spec)
   jitted = jax.jit(
     step_fn,
     in_shardings=(shardings, NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))),
@@ -156,16 +163,19 @@ def make_step_fn(
   cfg: ml_collections.ConfigDict,
   mesh: Mesh,
   optimizer: optax.GradientTransformation,
+  *,
+  spec: objectives.PolicyLossSpec | None = None,
 ) -> Callable[[_state.TrainState, dict], tuple[_state.TrainState, dict]]:
   """The pure `step_fn(state, batch) -> (state, metrics)` (traceable, no host checks).
 
   Only shapes are validated (at trace time); it may be called inside any
   jit whose arrays live on `mesh` (the sharding constraints name its axes).
+  `spec` is the policy loss (None: the registry entry of `cfg.loss`).
   """
   num_shards = _mesh.batch_axis_size(mesh)
   gather = _gather.fsdp_gather_fns(model_config, cfg, mesh)
   param_shardings = policy.param_shardings(model_config, mesh)
-  update = _update.make_update_fn(model_config, cfg, mesh, optimizer, param_shardings, gather)
+  update = _update.make_update_fn(model_config, cfg, mesh, optimizer, param_shardings, gather, spec)
 
   def step_fn(state: _state.TrainState, batch: dict):
     _batch.check_batch(batch, cfg, num_shards)
@@ -202,3 +212,24 @@ def make_step_fn(
     return new_state, metrics
 
   return step_fn
+
+
+def _resolve_loss(
+  loss: str | Callable | objectives.PolicyLossSpec | None,
+) -> objectives.PolicyLossSpec | None:
+  """`make_train_step`'s `loss` argument as a spec (None: the config's registry entry)."""
+  if loss is None or isinstance(loss, objectives.PolicyLossSpec):
+    return loss
+  if isinstance(loss, str):
+    if loss not in objectives.POLICY_LOSS_SPECS:
+      raise ValueError(
+        f"`loss` must be one of {sorted(objectives.POLICY_LOSS_SPECS)} (or a loss function / "
+        f"PolicyLossSpec), got {loss!r}."
+      )
+    return objectives.get_policy_loss_spec(loss)
+  if callable(loss):
+    return objectives.policy_loss_spec(loss)
+  raise ValueError(
+    f"`loss` must be a registered name, a PolicyLossSpec or a loss function, got "
+    f"{type(loss).__name__}."
+  )

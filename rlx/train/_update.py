@@ -47,6 +47,7 @@ def make_update_fn(
   optimizer: optax.GradientTransformation,
   param_shardings: Any,
   gather: _gather.FsdpGather,
+  spec: objectives.PolicyLossSpec | None = None,
 ) -> Callable:
   """`update(carry, (mini, update_index)) -> (carry, metrics)`, a `lax.scan` body.
 
@@ -57,13 +58,15 @@ def make_update_fn(
     optimizer: the optax transformation of the state.
     param_shardings: `NamedSharding`s of the params (gradients are kept so).
     gather: the `FsdpGather` of the forward.
+    spec: the policy loss; None = the registry entry of `cfg.loss`.
 
   Returns:
     The update function; `metrics` holds the merged micro-batch metrics plus
     grad_norm, update_norm, learning_rate, skipped (and the bapo_* bounds).
   """
-  loss_fn = _loss.make_loss_fn(model_config, cfg, gather)
-  agg = _config.resolve_agg(cfg)
+  spec = _config.loss_spec(cfg, spec)
+  loss_fn = _loss.make_loss_fn(model_config, cfg, gather, spec)
+  agg = _config.resolve_agg(cfg, spec)
   schedule = _optimizer.make_schedule(cfg)
   per_step = _optimizer.updates_per_step(cfg)
 
@@ -73,7 +76,9 @@ def make_update_fn(
     agg_scale = objectives.aggregate_scale(mini["loss_mask"], agg)
     clip_kwargs, metrics = {}, {}
     if cfg.use_bapo:
-      clip_kwargs, metrics = _bapo.bapo_clip_kwargs(params, mini, model_config, cfg, mesh, gather)
+      clip_kwargs, metrics = _bapo.bapo_clip_kwargs(
+        params, mini, model_config, cfg, mesh, gather, spec
+      )
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
 
