@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlx import rl, tasks, train
+from rlx import rl, train
 from rlx.rl import _rollout
 
 _DEFAULT_CONFIG = os.path.join(
@@ -47,7 +47,7 @@ _OUT = flags.DEFINE_string("out", "", "Also write the markdown table to this fil
 def main(argv):
   del argv
   config = _CONFIG.value
-  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  task = rl.make_task(config)
   mesh = rl.build_mesh(config)
   model_config, params = rl.build_model(config, task)
   learner = rl.Learner(config, task, model_config, mesh)

@@ -222,10 +222,10 @@ def mismatch_breakdown(base, num_prompts: int) -> str:
   """
   import jax  # noqa: PLC0415
 
-  from rlx import objectives, policy, tasks, train  # noqa: PLC0415
+  from rlx import objectives, policy, train  # noqa: PLC0415
 
   config = variant_config(base, "hp", 0, _ITERATIONS.value)
-  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  task = rl.make_task(config)
   mesh = rl.build_mesh(config)
   model_config, _ = rl.build_model(config, task)
   abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)

@@ -22,7 +22,12 @@ from rlx import rl
 _DEFAULT_CONFIG = os.path.join(
   os.path.dirname(os.path.abspath(__file__)), "configs", "arithmetic.py"
 )
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Base RL config file.")
+# New keys are accepted on the command line (a loss's or a task's keyword
+# arguments: --config.train.loss_kwargs.dual_clip=3.0); rlx.rl.validate_config
+# checks each against the function it feeds and names any misspelt field.
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", _DEFAULT_CONFIG, "Base RL config file.", lock_config=False, accept_new_attributes=True
+)
 _GRID = flags.DEFINE_string("grid", "train.loss=ppo,cispo", "field=v1,v2;field=v1,... grid.")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds of every grid point.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlx_sweep", "Root output directory.")

@@ -24,7 +24,12 @@ _DEFAULT_CONFIG = os.path.join(
   os.path.dirname(os.path.abspath(__file__)), "configs", "arithmetic.py"
 )
 
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "RL config file.")
+# New keys are accepted on the command line (a loss's or a task's keyword
+# arguments: --config.train.loss_kwargs.dual_clip=3.0); rlx.rl.validate_config
+# checks each against the function it feeds and names any misspelt field.
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", _DEFAULT_CONFIG, "RL config file.", lock_config=False, accept_new_attributes=True
+)
 _WORKDIR = flags.DEFINE_string(
   "workdir", "/tmp/rlx_arithmetic", "Output directory (checkpoints, metrics, plots, summary)."
 )

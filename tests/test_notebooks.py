@@ -44,6 +44,25 @@ def _text(nb) -> str:
   return "".join(parts)
 
 
+# Cells whose outputs depend on the run size (RLX_NOTEBOOK_SMALL shrinks them):
+# tagged so in the notebook's cell metadata; every other cell must print in the
+# test exactly what the committed notebook shows, so committed outputs that no
+# longer match the code fail (re-execute with experiments/execute_notebooks.py).
+RUN_SIZE_TAG = "depends-on-run-size"
+
+
+def _cell_texts(nb) -> list[str]:
+  """The printed text of each code cell not tagged `RUN_SIZE_TAG`."""
+  out = []
+  for cell in nb.cells:
+    if cell.cell_type != "code" or RUN_SIZE_TAG in cell.get("metadata", {}).get("tags", []):
+      continue
+    out.append(
+      "".join(o["text"] for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+    )
+  return out
+
+
 def _images(nb) -> int:
   return sum(
     "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
@@ -78,6 +97,7 @@ def test_notebook_is_committed_with_outputs(path):
 def test_notebook_runs_in_a_kernel(path, monkeypatch):
   monkeypatch.setenv("RLX_NOTEBOOK_SMALL", "1")
   nb = nbformat.read(path, as_version=4)
+  committed = _cell_texts(nb)
   if path.name in CHECKS:
     nb.cells.append(nbformat.v4.new_code_cell(CHECKS[path.name]))
   client = NotebookClient(
@@ -85,6 +105,9 @@ def test_notebook_runs_in_a_kernel(path, monkeypatch):
   )
   client.execute(env=dict(os.environ))
   text = _text(nb)
+  fresh = _cell_texts(nb)[: len(committed)]
+  for i, (a, b) in enumerate(zip(committed, fresh, strict=True)):
+    assert a == b, f"cell {i}: the committed output differs from the current code's:\n{a}\n{b}"
   for expected in EXPECTED_TEXT.get(path.name, []):
     assert expected in text
   if path.name in CHECKS:

@@ -7,7 +7,9 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _python_blocks(text: str) -> list[str]:
-  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+  """The README's python blocks, except the user files (`# my_*.py`, run by tests/rl)."""
+  blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+  return [b for b in blocks if not re.match(r"# my_\w+\.py", b)]
 
 
 def test_readme_tour_runs(capsys):

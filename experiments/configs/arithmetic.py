@@ -18,20 +18,21 @@ def get_config():
   c.seed = 0  # model init, data order, rollouts
   # Task: "<bos>042+917=" -> "9590<eos>" (answers reversed, fixed width).
   c.task.name = "arithmetic"
-  c.task.kwargs.num_digits = 3
-  c.task.kwargs.train_size = 5000
-  c.task.kwargs.dev_size = 200
-  c.task.kwargs.test_size = 500
+  c.task.arithmetic.num_digits = 3
+  c.task.arithmetic.train_size = 5000
+  c.task.arithmetic.dev_size = 200
+  c.task.arithmetic.test_size = 500
   # Model: ModelConfig.small sizes (2 layers, width 64, 4 heads / 2 KV heads).
   c.model.hidden_size = 64
   c.model.num_layers = 2
   c.model.intermediate_size = 192
   # One CPU device is plenty for this model.
   c.mesh.num_devices = 1
-  # Loss (any key of rlx.objectives.POLICY_LOSSES) and its hyper-parameters.
+  # Loss (any key of rlx.objectives.POLICY_LOSSES) with its own default
+  # hyper-parameters (PPO: clip_low = clip_high = 0.2). train.loss_kwargs is
+  # left empty so that --config.train.loss=gspo (or a registered loss) runs
+  # with that loss's defaults, not PPO's values under the same keyword names.
   c.train.loss = "ppo"
-  c.train.loss_kwargs.clip_low = 0.2
-  c.train.loss_kwargs.clip_high = 0.2
   # AdamW: 10-update linear warmup then cosine decay to 0.1 x peak at the last
   # update. The warmed-up policy is flat (it samples the right answer ~6% of
   # the time at T = 0.7 while its greedy accuracy is 30%), so the gradient is
@@ -41,7 +42,8 @@ def get_config():
   c.train.optimizer.learning_rate = 2e-4
   c.train.optimizer.schedule = "warmup_cosine"
   c.train.optimizer.warmup_steps = 10
-  c.train.optimizer.decay_steps = 800  # = rl.iterations x mini_batches
+  # decay_steps = 0 (rl.get_config's default): the run's total updates,
+  # rl.iterations x mini_batches = 800 here.
   c.train.optimizer.end_lr_ratio = 0.1
   c.train.max_grad_norm = 1.0
   # Two optimizer updates per rollout batch (PPO mini-batches of 256 rows; the

@@ -26,10 +26,10 @@ def _base():
 
 def get_config():
   c = _base()
-  c.task.kwargs.num_digits = 10
-  c.task.kwargs.min_digits = 2
-  c.task.kwargs.digits_decay = 0.6
-  c.task.kwargs.pad_answer = False
+  c.task.arithmetic.num_digits = 10
+  c.task.arithmetic.min_digits = 2
+  c.task.arithmetic.digits_decay = 0.6
+  c.task.arithmetic.pad_answer = False
   # Host syncs every 4 decode steps: a partial collection can stop within 4
   # steps of its target (answers are <= 12 tokens).
   c.sampler.steps_per_sync = 4

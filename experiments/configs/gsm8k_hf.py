@@ -3,9 +3,9 @@ r"""GSM8K-format math with a Hugging Face checkpoint on a GPU node or TPU slice.
   python experiments/train_rl.py --config=experiments/configs/gsm8k_hf.py \
       --workdir=/tmp/rlx_gsm8k \
       --config.model.hf_checkpoint=/path/to/Qwen2.5-0.5B-Instruct \
-      --config.task.kwargs.tokenizer=/path/to/Qwen2.5-0.5B-Instruct \
-      --config.task.kwargs.train_path=/path/to/gsm8k/train.jsonl \
-      --config.task.kwargs.test_path=/path/to/gsm8k/test.jsonl
+      --config.task.gsm8k.tokenizer=/path/to/Qwen2.5-0.5B-Instruct \
+      --config.task.gsm8k.train_path=/path/to/gsm8k/train.jsonl \
+      --config.task.gsm8k.test_path=/path/to/gsm8k/test.jsonl
 
 The checkpoint directory holds config.json, *.safetensors and the tokenizer;
 the data files are JSONL or Parquet records with `question` / `answer` fields
@@ -21,14 +21,14 @@ def get_config():
   c.seed = 0
   # Task: rlx.tasks.GSM8KTask; the tokenizer (and chat template) come from the checkpoint.
   c.task.name = "gsm8k"
-  c.task.kwargs.tokenizer = ""  # set to the checkpoint directory (same as model.hf_checkpoint)
-  c.task.kwargs.train_path = ""  # JSONL / Parquet
-  c.task.kwargs.test_path = ""  # held-out file (JSONL / Parquet)
-  c.task.kwargs.question_field = "question"
-  c.task.kwargs.answer_field = "answer"
-  c.task.kwargs.answer_format = "####"  # or "boxed"
-  c.task.kwargs.max_answer_len = 512  # completion token budget (= sampler max_new_tokens)
-  c.task.kwargs.format_reward = 0.0
+  c.task.gsm8k.tokenizer = ""  # set to the checkpoint directory (same as model.hf_checkpoint)
+  c.task.gsm8k.train_path = ""  # JSONL / Parquet
+  c.task.gsm8k.test_path = ""  # held-out file (JSONL / Parquet)
+  c.task.gsm8k.question_field = "question"
+  c.task.gsm8k.answer_field = "answer"
+  c.task.gsm8k.answer_format = "####"  # or "boxed"
+  c.task.gsm8k.max_answer_len = 512  # completion token budget (= sampler max_new_tokens)
+  c.task.gsm8k.format_reward = 0.0
   # Model: an HF checkpoint in bfloat16.
   c.model.hf_checkpoint = ""  # path of the checkpoint directory
   c.model.param_dtype = "bfloat16"
@@ -46,6 +46,7 @@ def get_config():
   c.sampler.steps_per_sync = 32
   # Loss, baseline, KL, rollout correction.
   c.train.loss = "ppo"
+  # PPO's keywords: a different train.loss needs its own train.loss_kwargs.
   c.train.loss_kwargs.clip_low = 0.2
   c.train.loss_kwargs.clip_high = 0.28  # DAPO clip-higher
   c.train.agg = "token-mean"

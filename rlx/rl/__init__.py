@@ -26,8 +26,12 @@ from rlx.rl._batch import (
 )
 from rlx.rl._config import (
   BASELINES,
+  check_fields,
   get_config,
+  import_user_code,
+  make_task,
   samples_per_prompt,
+  task_kwargs,
   train_config,
   validate_config,
 )
@@ -63,11 +67,15 @@ from rlx.rl._run import (
   run,
 )
 from rlx.rl._sweep import (
+  format_sweep_row,
   grid_points,
   parse_grid,
   plot_sweep,
   run_sweep,
   sweep_table,
+)
+from rlx.rl._warmstart import (
+  warmup_key,
 )
 from rlx.rl._warmup import (
   WarmupCapError,
@@ -92,13 +100,17 @@ __all__ = (
   "build_mesh",
   "build_model",
   "build_rollout_batch",
+  "check_fields",
   "format_summary",
+  "format_sweep_row",
   "get_config",
   "greedy_accuracy",
+  "import_user_code",
   "grid_points",
   "group_advantages",
   "make_rl_step",
   "make_sampler",
+  "make_task",
   "pad_prompts",
   "parse_grid",
   "plot_run",
@@ -110,8 +122,10 @@ __all__ = (
   "sampler_kwargs",
   "samples_per_prompt",
   "supervised_warmup",
+  "task_kwargs",
   "sweep_table",
   "train_batch",
   "train_config",
   "validate_config",
+  "warmup_key",
 )

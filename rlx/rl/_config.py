@@ -3,17 +3,39 @@
 One `ml_collections.ConfigDict` describes a whole run (task, model, mesh,
 sampler, train step, RL loop, supervised warm-up, evaluation, checkpoints,
 logging). `experiments/configs/*.py` start from these defaults and the
-command line overrides any field (`--config.rl.num_samples=4`).
+command line overrides any field (`--config.rl.num_samples=4`), including
+keywords the config does not list yet in the free-form sections (a loss's
+`--config.train.loss_kwargs.dual_clip=3.0`, a task's
+`--config.task.kwargs.size=10`): `validate_config` checks them against the
+function they feed, and names any other unknown field with its closest valid
+one. User code (a registered loss or task) comes in through `config.imports`.
 """
 
+import difflib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
 from typing import Any
 
 import ml_collections
 
-from rlx import objectives, train
+from rlx import objectives, tasks, train
 
 BASELINES = ("grpo", "drgrpo", "rloo", "median")
-ROLLOUTS = ("sync",)
+# Sections whose keys are free-form: keyword arguments of a function, checked
+# against its signature. `task.<name>` sections (one per task) are free-form too.
+FREE_FORM = (
+  "train.loss_kwargs",
+  "train.bapo_kwargs",
+  "train.m2po_kwargs",
+  "train.rollout_correction_kwargs",
+  "task.kwargs",
+)
+# Fields compared when a workdir is resumed: all but these (they change how a
+# run is shown, or where user code lives, not what it computes).
+NOT_COMPARED = ("log.", "imports", "warmup.init_from")
 # rollout.weight_dtype / rollout.kv_dtype choices (rlx.sampling.SamplerConfig's).
 WEIGHT_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 KV_DTYPES = ("float32", "bfloat16", "auto", "fp8_e4m3", "fp8_e5m2")
@@ -29,11 +51,22 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Seed of everything: model init, data order, rollouts, train-step shuffles.
   c.seed = 0
+  # User code imported before the config is validated, so that its
+  # rlx.objectives.register_policy_loss / rlx.tasks.register_task calls count:
+  # comma-separated module names (importable, e.g. "mypkg.losses") or paths of
+  # .py files (e.g. "my_loss.py", relative to the working directory).
+  c.imports = ""
 
-  # --- task (rlx.tasks.make_task(name, **kwargs)) ---
+  # --- task (rlx.tasks.make_task(name, **task_kwargs(config))) ---
   c.task = ml_collections.ConfigDict()
   c.task.name = "arithmetic"  # a key of rlx.tasks.TASKS
-  c.task.kwargs = ml_collections.ConfigDict()  # passed to the task constructor
+  # Keyword arguments of the task's factory: those of the section named after
+  # the task (`config.task.arithmetic`, `config.task.<your task>`), updated by
+  # `config.task.kwargs`. A config file for one task fills its own section, so
+  # choosing another task (--config.task.name=...) passes it none of them.
+  c.task.kwargs = ml_collections.ConfigDict()
+  c.task.arithmetic = ml_collections.ConfigDict()  # rlx.tasks.ArithmeticTask keywords
+  c.task.gsm8k = ml_collections.ConfigDict()  # rlx.tasks.GSM8KTask keywords
 
   # --- model ---
   c.model = ml_collections.ConfigDict()
@@ -41,16 +74,22 @@ def get_config() -> ml_collections.ConfigDict:
   # "" = a freshly initialised rlx.policy.ModelConfig.small(...) with the
   # sizes below and the task tokenizer's vocabulary (needs the warm-up).
   c.model.hf_checkpoint = ""
-  c.model.family = "qwen2"  # qwen2 | qwen3 | llama (fresh model only)
+  # Architecture of the fresh model; with `hf_checkpoint` it comes from the
+  # checkpoint's config.json and these must stay at their defaults.
+  c.model.family = "qwen2"  # qwen2 | qwen3 | llama
   c.model.hidden_size = 64
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.num_kv_heads = 2
   c.model.head_dim = 16
   c.model.intermediate_size = 192
-  # Parameter / activation dtypes ("float32" | "bfloat16").
+  # Parameter / activation dtypes ("float32" | "bfloat16"); an HF checkpoint's
+  # weights are converted to `param_dtype` on load.
   c.model.param_dtype = "float32"
   c.model.compute_dtype = "float32"
+  # Recompute each decoder block's activations in the backward pass
+  # (`jax.checkpoint`): less activation memory for one more forward.
+  c.model.remat = False
 
   # --- mesh (rlx.train.make_mesh); one of the sizes may be -1 = the rest ---
   c.mesh = ml_collections.ConfigDict()
@@ -106,10 +145,17 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- the train step (rlx.train.get_config(); its fields, see there) ---
   c.train = train.get_config()
+  # Open like the rest (command-line overrides may add keys); `validate_config`
+  # names a field that is not one of rlx.train.get_config()'s.
+  c.train.unlock()
   c.train.loss = "ppo"  # any key of rlx.objectives.POLICY_LOSSES
   c.train.optimizer.learning_rate = 3e-4
   c.train.max_grad_norm = 1.0
   c.train.report_throughput = False  # timed by the loop instead
+  # Cosine decay length in optimizer updates; 0 = the run's total updates
+  # (rl.iterations x train.ppo_epochs x train.mini_batches), so any run length
+  # decays to its end. A number > 0 is used as given.
+  c.train.optimizer.decay_steps = 0
 
   # --- the RL loop ---
   c.rl = ml_collections.ConfigDict()
@@ -122,7 +168,6 @@ def get_config() -> ml_collections.ConfigDict:
   # Sampling temperature of the rollouts, also the train step's temperature
   # (the trainer's log-probs use the same softmax the sampler sampled from).
   c.rl.temperature = 1.0
-  c.rl.rollout = "sync"  # rollout engine: sync = Sampler.generate every iteration
   # Run each iteration as ONE jitted function (rlx.rl.make_rl_step: sample ->
   # JAX reward -> advantages -> log-probs -> update) when the task has a JAX
   # reward and the batch fits the sampler's slots; otherwise host-driven.
@@ -152,6 +197,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.warmup.batch_size = 64  # sequences per warm-up step
   c.warmup.learning_rate = 3e-3
   c.warmup.eval_every = 50  # warm-up steps between dev evaluations
+  # Reuse the warm-up of another run instead of training one: a workdir (its
+  # warmup/ checkpoint) or a warm-up checkpoint directory. Its warm-up config
+  # (seed, task, model, mesh, sampler, warm-up and evaluation sizes) must equal
+  # this run's (`warmup_key`). "" = train (or resume) this run's own warm-up.
+  # rlx.rl.run_sweep sets it for the runs of a grid that share a warm-up.
+  c.warmup.init_from = ""
 
   # --- evaluation (greedy accuracy, exact-match reward) ---
   c.eval = ml_collections.ConfigDict()
@@ -174,15 +225,25 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first invalid field of an RL config."""
+  """Raises ValueError naming the first invalid field of an RL config.
+
+  Imports `config.imports` first (user code that registers losses and tasks),
+  then checks that every field is one of `get_config()`'s (an unknown one is
+  named with its closest valid field), every value, the task's keyword
+  arguments against its factory and the loss's against its signature.
+  """
+  import_user_code(config)
+  check_fields(config)
   rl = config.rl
+  if not isinstance(config.model.remat, bool):
+    raise ValueError(f"`config.model.remat` must be a bool, got {config.model.remat!r}.")
   if config.train.loss not in objectives.POLICY_LOSSES:
     raise ValueError(
-      f"`config.train.loss` must be one of {sorted(objectives.POLICY_LOSSES)}, "
+      f"`config.train.loss` must be one of {sorted(objectives.POLICY_LOSSES)} (register a "
+      "loss with rlx.objectives.register_policy_loss in a module named by `config.imports`), "
       f"got {config.train.loss!r}."
     )
   _choice(rl.baseline, BASELINES, "config.rl.baseline")
-  _choice(rl.rollout, ROLLOUTS, "config.rl.rollout")
   over = config.rollout.over_provision
   if isinstance(over, bool) or not isinstance(over, int | float) or not 1.0 <= over < float("inf"):
     raise ValueError(
@@ -228,15 +289,162 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"`config.eval.{name}` must be >= 0, got {config.eval[name]!r}.")
   if config.checkpoint.every < 1:
     raise ValueError(f"`config.checkpoint.every` must be >= 1, got {config.checkpoint.every!r}.")
+  _check_task_kwargs(config)
   train_cfg = train_config(config)
-  train.validate_config(train_cfg)
+  try:
+    train.validate_config(train_cfg)
+  except ValueError as e:  # name the field as this config has it
+    raise ValueError(str(e).replace("`config.", "`config.train.")) from None
 
 
 def train_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The `rlx.train` config of the run: `config.train` with the rollout temperature."""
+  """The `rlx.train` config of the run: `config.train` with the rollout temperature.
+
+  `optimizer.decay_steps = 0` becomes the run's total optimizer updates
+  (`rl.iterations x ppo_epochs x mini_batches`; at least `warmup_steps + 1`,
+  so a run shorter than the LR warm-up still has a valid schedule).
+  """
   cfg = ml_collections.ConfigDict(config.train.to_dict())
   cfg.temperature = float(config.rl.temperature)
+  if not cfg.optimizer.decay_steps:
+    total = int(config.rl.iterations) * train.updates_per_step(cfg)
+    cfg.optimizer.decay_steps = max(total, int(cfg.optimizer.warmup_steps) + 1)
   return cfg
+
+
+def task_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The task factory's keyword arguments: `config.task.<name>` updated by `task.kwargs`."""
+  name = config.task.name
+  own = config.task[name] if name in config.task and name not in ("name", "kwargs") else None
+  out = _plain(own)
+  out.update(_plain(config.task.kwargs))
+  return out
+
+
+def _plain(section: Any) -> dict[str, Any]:
+  if section is None:
+    return {}
+  return section.to_dict() if isinstance(section, ml_collections.ConfigDict) else dict(section)
+
+
+def make_task(config: ml_collections.ConfigDict) -> Any:
+  """Builds the run's task: `rlx.tasks.make_task(config.task.name, **task_kwargs(config))`."""
+  return tasks.make_task(config.task.name, **task_kwargs(config))
+
+
+def import_user_code(config: ml_collections.ConfigDict) -> list[Any]:
+  """Imports the modules and .py files of `config.imports` (once each); returns them.
+
+  A module name is imported with `importlib.import_module`; a path ending in
+  `.py` is loaded as a module named after the file (a file imported before
+  by the same path is not re-executed, so its registrations happen once).
+
+  Raises:
+    ValueError: naming the entry that cannot be found or fails to import.
+  """
+  value = config.get("imports", "")
+  if isinstance(value, list | tuple):
+    entries = [str(v).strip() for v in value]
+  elif isinstance(value, str):
+    entries = [v.strip() for v in value.split(",")]
+  else:
+    raise ValueError(
+      f"`config.imports` must be a comma-separated str of modules / .py paths, got {value!r}."
+    )
+  modules = []
+  for entry in filter(None, entries):
+    try:
+      modules.append(_import(entry))
+    except Exception as e:
+      if isinstance(e, ValueError) and str(e).startswith("`config.imports`"):
+        raise
+      raise ValueError(
+        f"`config.imports`: importing {entry!r} failed: {type(e).__name__}: {e}"
+      ) from e
+  return modules
+
+
+def _import(entry: str) -> Any:
+  if not entry.endswith(".py"):
+    return importlib.import_module(entry)
+  path = os.path.abspath(os.path.expanduser(entry))
+  if not os.path.isfile(path):
+    raise ValueError(f"`config.imports`: {entry!r} is not a file (looked at {path}).")
+  for module in list(sys.modules.values()):
+    if getattr(module, "__file__", None) == path:
+      return module
+  name = "rlx_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+  return module
+
+
+def check_fields(config: ml_collections.ConfigDict) -> None:
+  """Every field of `config` is one of `get_config()`'s; the free-form sections excepted.
+
+  Raises:
+    ValueError: naming an unknown field and the closest valid one, or a
+      section that is missing.
+  """
+  _check_section(config, get_config(), "")
+
+
+def _check_section(config: Any, defaults: ml_collections.ConfigDict, prefix: str) -> None:
+  if not isinstance(config, ml_collections.ConfigDict | dict):
+    raise ValueError(f"`config.{prefix[:-1]}` must be a config section, got {config!r}.")
+  for key in config.keys():
+    path = prefix + key
+    if path in FREE_FORM or (prefix == "task." and key != "name"):
+      continue  # keyword arguments, checked against their function
+    if path == "sampler.kv_dtype":
+      continue  # read as rollout.kv_dtype (see kv_dtype)
+    if key not in defaults:
+      close = difflib.get_close_matches(key, list(defaults.keys()), n=1, cutoff=0.6)
+      hint = (
+        f"did you mean `config.{prefix}{close[0]}`?"
+        if close
+        else f"the fields here are {sorted(defaults.keys())}."
+      )
+      raise ValueError(f"`config.{path}` is not a config field; {hint}")
+    if isinstance(defaults[key], ml_collections.ConfigDict):
+      _check_section(config[key], defaults[key], path + ".")
+  for key in defaults.keys():
+    if key not in config and prefix + key not in FREE_FORM and prefix != "task.":
+      raise ValueError(f"`config.{prefix + key}` is missing (build configs from get_config()).")
+
+
+def _check_task_kwargs(config: ml_collections.ConfigDict) -> None:
+  """The task's keyword arguments against its registered factory's signature."""
+  name = config.task.name
+  if name not in tasks.TASKS:
+    raise ValueError(
+      f"`config.task.name` must be one of {sorted(tasks.TASKS)} (register a task with "
+      f"rlx.tasks.register_task in a module named by `config.imports`), got {name!r}."
+    )
+  factory = tasks.TASKS[name]
+  try:
+    params = inspect.signature(factory).parameters.values()
+  except (TypeError, ValueError):
+    return  # no signature to check against (a builtin): the factory checks its arguments
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    return
+  allowed = sorted(
+    p.name
+    for p in params
+    if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  )
+  unknown = sorted(set(task_kwargs(config)) - set(allowed))
+  if unknown:
+    raise ValueError(
+      f"`config.task.kwargs` / `config.task.{name}` have unknown keywords {unknown}; task "
+      f"{name!r} takes {allowed}."
+    )
 
 
 def kv_dtype(config: ml_collections.ConfigDict) -> str:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlx import policy, tasks, train
-from rlx.rl import _config, _data, _evaluate, _learner, _logging, _rollout, _warmup
+from rlx import policy, train
+from rlx.rl import _config, _data, _evaluate, _learner, _logging, _rollout, _warmstart
 
 SUPERVISED_NOTE = (
   "Note: supervised training on the gold answers alone could also solve this task; the "
@@ -33,10 +33,34 @@ SUPERVISED_NOTE = (
 
 
 def build_model(config: ml_collections.ConfigDict, task: Any) -> tuple[Any, Any]:
-  """`(model_config, params)`: an HF checkpoint, or a fresh small model for the task."""
+  """`(model_config, params)`: an HF checkpoint, or a fresh small model for the task.
+
+  Every `config.model` field takes effect: with `hf_checkpoint` the
+  architecture comes from its config.json, so an architecture field (family,
+  sizes) that differs from its default is a ValueError naming it; the dtypes
+  (params converted on load) and `remat` apply to both kinds of model.
+  """
   m = config.model
   if m.hf_checkpoint:
-    return policy.load_hf_checkpoint(m.hf_checkpoint)
+    defaults = _config.get_config().model
+    for name in (
+      "family",
+      "hidden_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "intermediate_size",
+    ):
+      if m[name] != defaults[name]:
+        raise ValueError(
+          f"`config.model.{name}`={m[name]!r} is set with `config.model.hf_checkpoint`: the "
+          f"architecture comes from the checkpoint's config.json; leave it at its default "
+          f"{defaults[name]!r}."
+        )
+    return policy.load_hf_checkpoint(
+      m.hf_checkpoint, dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat
+    )
   model_config = policy.ModelConfig.small(
     family=m.family,
     vocab_size=int(task.tokenizer.vocab_size),
@@ -48,6 +72,7 @@ def build_model(config: ml_collections.ConfigDict, task: Any) -> tuple[Any, Any]
     intermediate_size=m.intermediate_size,
     param_dtype=m.param_dtype,
     compute_dtype=m.compute_dtype,
+    remat=m.remat,
   )
   key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
   return model_config, policy.init_params(model_config, key)
@@ -70,9 +95,10 @@ def _subset(examples, n):
 
 
 def _write_json(path: str, value: Any) -> None:
+  """Strict JSON (non-finite floats as null), written atomically."""
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
-    json.dump(value, f, indent=2, default=float)
+    json.dump(_logging.finite_or_none(value), f, indent=2, default=float, allow_nan=False)
   os.replace(tmp, path)
 
 
@@ -85,12 +111,21 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def _check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Records the run's config in `workdir/config.json`; warns when resuming a different one.
+def _compared(config_dict: dict) -> dict[str, Any]:
+  """The flattened config fields that define what a run computes (`NOT_COMPARED` left out)."""
+  flat = _flat(json.loads(json.dumps(config_dict, default=str)))
+  return {k: v for k, v in flat.items() if not k.startswith(_config.NOT_COMPARED)}
 
-  A workdir resumes whatever run it holds (a finished one only re-reads its
-  summary), so a changed config on an old workdir would otherwise be ignored
-  without a word.
+
+def _check_workdir(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
+  """Records the run's config in `workdir/config.json`; refuses a workdir of another config.
+
+  Returns:
+    The saved summary if the workdir holds this run, finished; else None.
+
+  Raises:
+    ValueError: the workdir holds a run of a different config (its fields
+      named), which this run would otherwise overwrite or continue.
   """
   current = json.loads(json.dumps(config.to_dict(), default=str))
   saved = None
@@ -104,18 +139,21 @@ def _check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> No
         break
   if saved is None:
     _write_json(os.path.join(workdir, "config.json"), current)
-    return
-  now, before = _flat(current), _flat(saved)
+    return None
+  now, before = _compared(current), _compared(saved)
   changed = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
   if changed:
     shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
     more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
-    warnings.warn(
-      f"{workdir} holds a run started with a different config ({shown}{more}); it is "
-      "resumed from its own checkpoints (a finished run only re-reads its summary). Pass "
-      "a new --workdir to start a run with this config.",
-      stacklevel=3,
+    raise ValueError(
+      f"{workdir} holds a run of a different config ({shown}{more}); its record is kept "
+      "as it is. Pass a new --workdir to run this config (or remove the old one)."
     )
+  summary_path = os.path.join(workdir, "summary.json")
+  if os.path.exists(summary_path):
+    with open(summary_path) as f:
+      return json.load(f)
+  return None
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -124,9 +162,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   Warm-up (if `config.warmup.enabled`) until the dev greedy accuracy reaches
   `warmup.target_dev_accuracy`, then `rl.iterations` RL iterations, then the
   held-out test greedy accuracy. Re-running on the same workdir resumes from
-  the last checkpoint (a finished run only re-reads its summary); a config
-  that differs from the one the workdir was started with is warned about
-  (`workdir/config.json`).
+  the last checkpoint, and a finished run returns its saved summary without
+  computing anything. A workdir started with a different config
+  (`workdir/config.json`; `config.log`, `imports` and `warmup.init_from`
+  aside) is refused with a ValueError naming the fields, so a run's record is
+  never rewritten under another config. `config.imports` are imported first.
 
   Args:
     config: the RL config (`rlx.rl.get_config()` or an experiments config).
@@ -139,8 +179,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   wall_start = time.perf_counter()
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  _check_workdir_config(config, workdir)
-  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  finished = _check_workdir(config, workdir)
+  if finished is not None:
+    if config.log.print_summary:
+      print(format_summary(finished))
+    return finished
+  notes = bool(config.log.progress_bar)
+  task = _config.make_task(config)
   mesh = build_mesh(config)
   model_config, init_params = build_model(config, task)
   k = _config.samples_per_prompt(config)
@@ -157,8 +202,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   dev = _subset(task.split("dev"), config.eval.dev_examples)
   test = _subset(task.split("test"), config.eval.test_examples)
 
+  greedy = _logging.note_first_call(
+    _evaluate.greedy_accuracy, "the greedy evaluation sampler", enabled=notes
+  )
+
   def evaluate(params, examples):
-    return _evaluate.greedy_accuracy(eval_sampler, params, task, examples, batch_size=eval_batch)
+    if isinstance(examples, str):
+      examples = dev if examples == "dev" else test
+    return greedy(eval_sampler, params, task, examples, batch_size=eval_batch)
 
   learner = _learner.Learner(config, task, model_config, mesh)
   train_cfg = learner.train_config
@@ -169,39 +220,27 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   base_key = jax.random.PRNGKey(config.seed)
   rollout_key = jax.random.fold_in(base_key, 1)
 
-  # --- warm-up (cached) ---
-  warm_ckpt = train.Checkpointer(os.path.join(workdir, "warmup"), max_to_keep=1, async_save=False)
-  if warm_ckpt.latest_step() is not None:
-    restored = warm_ckpt.restore(abstract)
-    start_state, warm_info = restored.state, restored.data_cursor
-  else:
-    t0 = time.perf_counter()
-    log0 = _logging.MetricsLog(workdir, resume_iteration=0, tensorboard=False)
-    params, info = init_params, {"steps": 0, "dev_accuracy": None, "reached": None}
-    if config.warmup.enabled:
-      result = _warmup.supervised_warmup(
-        init_params,
-        model_config,
-        mesh,
-        task,
-        config,
-        evaluate=lambda p: evaluate(p, dev),
-        seq_len=seq_len,
-        seed=int(config.seed),
-        log=lambda r: log0.write({"phase": "warmup", **r}),
-      )
-      params = result.params
-      info = {"steps": result.steps, "dev_accuracy": result.dev_accuracy, "reached": result.reached}
-    log0.close()
-    start_state = train.create_train_state(
-      params, model_config, train_cfg, mesh, rng=jax.random.fold_in(base_key, 2)
-    )
-    info["test_accuracy"] = evaluate(start_state.params, test)
-    info["time_s"] = time.perf_counter() - t0
-    warm_info = info
-    warm_ckpt.save(0, start_state, data_cursor=warm_info, force=True)
-    warm_ckpt.wait_until_finished()
-  warm_ckpt.close()
+  # --- warm-up (this run's, cached; or reused from another run) ---
+  warm = _warmstart.warm_start(
+    config,
+    workdir,
+    init_params=init_params,
+    model_config=model_config,
+    train_cfg=train_cfg,
+    mesh=mesh,
+    task=task,
+    abstract=abstract,
+    evaluate=evaluate,
+    seq_len=seq_len,
+    open_log=lambda: _logging.MetricsLog(
+      workdir,
+      resume_iteration=None,
+      tensorboard=config.log.tensorboard,
+      tensorboard_subdir="warmup",
+    ),
+    progress=notes,
+  )
+  start_state, warm_info = warm.state, warm.info
   ref_params = None
   if learner.uses_ref:
     ref_params = jax.tree.map(jnp.copy, start_state.params)
@@ -291,6 +330,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     and rows <= rollout_kwargs["max_slots"]
   )
   rl_step = _learner.make_rl_step(learner, sampler, fp8=fp8) if fused else None
+  # One note per first compile: the first RL iteration compiles the rollout,
+  # log-prob and train programs (or the one fused program).
+  what = "the fused RL iteration (sampler + reward + train step)"
+  if not fused:
+    what = "the RL iteration (sampler, log-probs, train step)"
   refresh_probe_s = None
   if fused and fp8 is not None:  # refreshed inside the fused program: time the work standalone
     refresh_probe_s = fp8.time_refresh(
@@ -299,21 +343,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       num_samples=k,
       width=seq_len,
     )
-  log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
-  total = int(config.rl.iterations)
-  stop_reason = cursor.get("stop")
-  bar = None
-  if config.log.progress_bar and start < total and stop_reason is None:
-    import tqdm  # noqa: PLC0415
 
-    bar = tqdm.tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
-  rl_time = float(cursor["rl_time_s"])
-  dev_accuracy = None
-  iteration = start
-  phase_start = time.perf_counter()
-  while stop_reason is None and iteration < total:
-    rng = jax.random.fold_in(rollout_key, iteration)
-    t0 = time.perf_counter()
+  def one_iteration(state, rng, t0):
     if partial:
       version = int(train.to_host(state.step))
       batch, keys = partial_rollout.collect_groups(state.params, pull, rng, policy_version=version)
@@ -332,6 +363,25 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     else:
       examples = source.next_batch()
       state, metrics, _ = learner.iteration(state, ref_params, rollout, examples, rng)
+    return state, metrics
+
+  iterate = _logging.note_first_call(one_iteration, what, enabled=notes)
+  log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
+  total = int(config.rl.iterations)
+  stop_reason = cursor.get("stop")
+  bar = None
+  if config.log.progress_bar and start < total and stop_reason is None:
+    import tqdm  # noqa: PLC0415
+
+    bar = tqdm.tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
+  rl_time = float(cursor["rl_time_s"])
+  dev_accuracy = None
+  iteration = start
+  phase_start = time.perf_counter()
+  while stop_reason is None and iteration < total:
+    rng = jax.random.fold_in(rollout_key, iteration)
+    t0 = time.perf_counter()
+    state, metrics = iterate(state, rng, t0)
     seconds = time.perf_counter() - t0
     metrics["time/iteration_s"] = seconds
     metrics["response_tokens_per_s"] = metrics["response_tokens"] / max(seconds, 1e-9)
@@ -384,7 +434,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       ckpt.save(iteration, state, data_cursor=cursor, extra=extra, force=True)
   if bar is not None:
     bar.close()
-  log.close()
   ckpt.close()
 
   accuracy_after = evaluate(state.params, test)
@@ -395,13 +444,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   plots = []
   if config.log.plots:
     plots.append(
-      _logging.plot_run(workdir, accuracy_before=accuracy_before, accuracy_after=accuracy_after)
+      _logging.plot_run(
+        workdir,
+        accuracy_before=accuracy_before,
+        accuracy_after=accuracy_after,
+        warmup_dev_accuracy=warm_info["dev_accuracy"],
+      )
     )
   summary_path = os.path.join(workdir, "summary.json")
   records = _logging.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   rl_records = [r for r in records if r.get("phase") == "rl"]
   summary = {
     "task": task.name,
+    "loss": config.train.loss,
+    "baseline": config.rl.baseline,
     "accuracy_before": accuracy_before,
     "accuracy_after": accuracy_after,
     "improvement_points": 100.0 * (accuracy_after - accuracy_before),
@@ -416,6 +472,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     "warmup_steps": warm_info["steps"],
     "warmup_dev_accuracy": warm_info["dev_accuracy"],
     "warmup_time_s": warm_info["time_s"],
+    # The warm-up directory this run's warm-up was reused from (warmup.init_from).
+    "warmup_reused_from": warm_info.get("reused_from"),
     "rl_time_s": rl_time,
     "seconds_per_iteration": rl_time / max(int(cursor["iteration"]), 1),
     "final_reward_mean": rl_records[-1]["reward_mean"] if rl_records else math.nan,
@@ -441,6 +499,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # Time of earlier processes up to their last checkpoint + this process.
   summary["wall_time_s"] = elapsed_before + this_process
   summary["wall_time_s_this_process"] = this_process
+  # TensorBoard: the test accuracy before (at iteration 0) and after, and the
+  # run's config with its headline figures in the HParams tab.
+  log.scalar("test/accuracy", accuracy_before, 0)
+  log.scalar("test/accuracy", accuracy_after, int(cursor["iteration"]))
+  log.hparams(
+    _compared(config.to_dict()),
+    {k: summary[k] for k in ("accuracy_before", "accuracy_after", "improvement_points")},
+  )
+  log.close()
   _write_json(summary_path, summary)
   if config.log.print_summary:
     print(format_summary(summary))
@@ -466,7 +533,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     ("wall time (s)", f"{summary['wall_time_s']:.1f}"),
   ]
   width = max(len(r[0]) for r in rows)
-  lines = ["", f"rlx RL run on task {summary['task']!r}", "-" * (width + 14)]
+  title = f"rlx RL run on task {summary['task']!r}"
+  if "loss" in summary:
+    title += f": loss {summary['loss']!r}, baseline {summary['baseline']!r}"
+  lines = ["", title, "-" * (width + 14)]
   lines += [f"{name:<{width}}  {value:>10}" for name, value in rows]
   lines.append("-" * (width + 14))
   for p in summary["plots"]:

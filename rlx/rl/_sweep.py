@@ -2,21 +2,41 @@
 
 What a researcher needs to compare a new loss (or baseline, or G) against the
 default: every grid point runs `rlx.rl.run` once per seed in its own workdir
-(resumable like any run), then the summaries are tabulated (mean and spread
-over seeds) and the dev-accuracy curves are drawn on one figure.
+(resumable like any run: a finished run whose recorded config equals the
+requested one is read back, a different one is refused), then the summaries
+are tabulated (mean and spread over seeds) and the dev-accuracy curves are
+drawn on one figure. Runs whose warm-ups are identical (same seed and warm-up
+config, `rlx.rl.warmup_key`) share one: the first trains it, the others start
+from it (`warmup.init_from`).
 """
 
+import contextlib
 import copy
 import itertools
 import json
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
 
-from rlx.rl import _logging, _run
+from rlx.rl import _config, _logging, _run, _warmstart
+
+ROW_KEYS = (
+  "loss",
+  "baseline",
+  "accuracy_before",
+  "accuracy_after",
+  "improvement_points",
+  "wall_time_s",
+  "iterations",
+  "warmup_steps",
+  "warmup_dev_accuracy",
+  "warmup_reused_from",
+)
 
 
 def parse_grid(spec: str) -> dict[str, list[Any]]:
@@ -41,13 +61,19 @@ def parse_grid(spec: str) -> dict[str, list[Any]]:
 
 
 def _set(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
+  """Sets a grid field; a new key only in a free-form section (a loss's or task's kwargs)."""
   node = config
   *parents, leaf = key.split(".")
   for p in parents:
+    if p not in node:
+      raise ValueError(f"Grid field {key!r} is not a config field.")
     node = node[p]
-  if leaf not in node:
+  parent = ".".join(parents)
+  free = parent in _config.FREE_FORM or (len(parents) == 2 and parents[0] == "task")
+  if leaf not in node and not free:
     raise ValueError(f"Grid field {key!r} is not a config field.")
-  node[leaf] = value
+  with node.unlocked() if hasattr(node, "unlocked") else contextlib.nullcontext():
+    node[leaf] = value
 
 
 def grid_points(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -61,11 +87,28 @@ def point_name(point: Mapping[str, Any]) -> str:
   return ",".join(f"{k.split('.')[-1]}={v}" for k, v in point.items()) or "base"
 
 
+def format_sweep_row(row: Mapping[str, Any]) -> str:
+  """One line per finished run: config, seed, result, time (what `sweep.py` prints)."""
+  warm = " (warm-up reused)" if row.get("warmup_reused_from") else ""
+  return (
+    f"[{row['index']}/{row['total']}] {row['point']} seed={row['seed']}: test accuracy "
+    f"{row['accuracy_before']:.3f} -> {row['accuracy_after']:.3f} "
+    f"({row['improvement_points']:+.1f} points), {row['seconds']:.0f} s{warm}"
+  )
+
+
+def _print_row(row: Mapping[str, Any]) -> None:
+  print(format_sweep_row(row), file=sys.stdout, flush=True)
+
+
 def run_sweep(
   base: ml_collections.ConfigDict,
   grid: Mapping[str, Sequence[Any]],
   seeds: Sequence[int],
   workdir: str,
+  *,
+  share_warmup: bool = True,
+  report: Callable[[dict[str, Any]], None] | None = _print_row,
 ) -> list[dict[str, Any]]:
   """Runs every grid point x seed sequentially; returns one row per run.
 
@@ -74,46 +117,59 @@ def run_sweep(
     grid: config field -> values to try.
     seeds: the seeds (`config.seed`) of each point.
     workdir: root directory; each run gets `workdir/<point>/seed_<s>`.
+    share_warmup: runs with equal `warmup_key`s (same seed, task, model,
+      warm-up, ...) reuse the first one's warm-up (`warmup.init_from`) instead
+      of training it again (ignored where the base config sets init_from).
+    report: called with each row once its run is done (default: prints
+      `format_sweep_row`); None is silent.
 
   Returns:
-    Rows with the point, the seed and the run's summary figures.
+    Rows with the point, the seed, the run's workdir, its summary figures
+    (`ROW_KEYS`) and `seconds` (this call's time for the run).
   """
   if not seeds:
     raise ValueError("`seeds` is empty.")
+  points = grid_points(grid)
+  total = len(points) * len(seeds)
+  warmups: dict[str, str] = {}  # warm-up key -> workdir of a run holding that warm-up
   rows = []
-  for point in grid_points(grid):
+  for point in points:
     for seed in seeds:
       config = copy.deepcopy(base)
       for key, value in point.items():
         _set(config, key, value)
       config.seed = int(seed)
       run_dir = os.path.join(workdir, point_name(point).replace("/", "_"), f"seed_{seed}")
+      key = None
+      if share_warmup and config.warmup.enabled and not config.warmup.init_from:
+        key = json.dumps(_warmstart.warmup_key(config), sort_keys=True)
+        if key in warmups and warmups[key] != run_dir:
+          config.warmup.init_from = warmups[key]
+      t0 = time.perf_counter()
       summary = _run.run(config, run_dir)
-      rows.append(
-        {
-          "point": point_name(point),
-          "seed": int(seed),
-          "workdir": run_dir,
-          **{
-            k: summary[k]
-            for k in (
-              "accuracy_before",
-              "accuracy_after",
-              "improvement_points",
-              "wall_time_s",
-              "iterations",
-            )
-          },
-        }
-      )
+      if key is not None:
+        warmups.setdefault(key, run_dir)
+      row = {
+        "point": point_name(point),
+        "seed": int(seed),
+        "workdir": run_dir,
+        **{k: summary.get(k) for k in ROW_KEYS},
+        "seconds": time.perf_counter() - t0,
+        "index": len(rows) + 1,
+        "total": total,
+      }
+      rows.append(row)
+      if report is not None:
+        report(row)
   return rows
 
 
 def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
   """Markdown table: per grid point, mean (min..max) over seeds."""
   lines = [
-    "| config | seeds | accuracy before | accuracy after | improvement (points) | wall time (s) |",
-    "|---|---|---|---|---|---|",
+    "| config | loss | baseline | seeds | accuracy before | accuracy after | improvement (points) "
+    "| wall time (s) |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   points = list(dict.fromkeys(r["point"] for r in rows))
   for p in points:
@@ -127,8 +183,10 @@ def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
         f"{format(statistics.mean(vals), fmt)} ({format(min(vals), fmt)}..{format(max(vals), fmt)})"
       )
 
+    names = {k: ", ".join(sorted({str(r.get(k)) for r in rs})) for k in ("loss", "baseline")}
     lines.append(
-      f"| {p} | {len(rs)} | {cell('accuracy_before', '.3f')} | {cell('accuracy_after', '.3f')} | "
+      f"| {p} | {names['loss']} | {names['baseline']} | {len(rs)} | "
+      f"{cell('accuracy_before', '.3f')} | {cell('accuracy_after', '.3f')} | "
       f"{cell('improvement_points', '+.1f')} | {cell('wall_time_s', '.0f')} |"
     )
   return "\n".join(lines)
@@ -149,7 +207,8 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str) -> str:
       ev = [x for x in records if x.get("phase") == "eval"]
       ax.plot(
         [0] + [x["iteration"] for x in ev],
-        [r["accuracy_before"]] + [x["dev_accuracy"] for x in ev],
+        # The dev curve starts at the warm-up's end (its dev accuracy).
+        [r.get("warmup_dev_accuracy", r["accuracy_before"])] + [x["dev_accuracy"] for x in ev],
         color=f"C{i}",
         alpha=0.8,
         label=p if j == 0 else None,

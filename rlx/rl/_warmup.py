@@ -38,7 +38,8 @@ class WarmupResult:
     steps: optimizer steps taken.
     dev_accuracy: the last dev greedy accuracy measured.
     reached: whether `dev_accuracy >= target`.
-    history: list of {"step", "loss", "dev_accuracy"} records at each evaluation.
+    history: list of {"step", "loss", "dev_accuracy"} records at each evaluation
+      (the loss of the last step before it; None at step 0).
   """
 
   params: Any
@@ -103,6 +104,7 @@ def supervised_warmup(
   seq_len: int,
   seed: int,
   log: Callable[[dict], None] = lambda record: None,
+  wrap_step: Callable[[Callable], Callable] = lambda step: step,
 ) -> WarmupResult:
   """Cross-entropy training until `evaluate(params) >= config.warmup.target_dev_accuracy`.
 
@@ -115,7 +117,8 @@ def supervised_warmup(
     evaluate: params -> dev greedy accuracy.
     seq_len: the padded sequence width (max_prompt_len + max_new_tokens).
     seed: seed of the warm-up data order.
-    log: called with each evaluation record.
+    log: called with each evaluation record (`loss` None at step 0).
+    wrap_step: applied to the jitted step (e.g. a first-compile note).
 
   Returns:
     A `WarmupResult`.
@@ -128,11 +131,11 @@ def supervised_warmup(
   cfg.optimizer.learning_rate = float(w.learning_rate)
   cfg.max_grad_norm = 1.0
   state = train.create_train_state(params, model_config, cfg, mesh, rng=jax.random.PRNGKey(seed))
-  step_fn = make_sft_step(model_config, cfg)
+  step_fn = wrap_step(make_sft_step(model_config, cfg))
   source = _data.PromptSource(task.split("train"), batch_size=int(w.batch_size), seed=seed)
   history = []
   accuracy = evaluate(state.params)
-  history.append({"step": 0, "loss": float("nan"), "dev_accuracy": accuracy})
+  history.append({"step": 0, "loss": None, "dev_accuracy": accuracy})
   log(history[-1])
   steps = 0
   loss = jnp.nan

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import rl_test_utils
 
-from rlx import objectives, rl, tasks
+from rlx import objectives, rl
 
 _CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
 
@@ -31,10 +31,10 @@ def _experiment_config(name):
     ({"rl.num_samples": 3, "rl.baseline": "median"}, "even and >= 2 for the 'median'"),
     ({"rl.temperature": 0.0}, "config.rl.temperature"),
     ({"rl.iterations": 0}, "config.rl.iterations"),
-    ({"rl.rollout": "async"}, "config.rl.rollout"),
+    ({"rl.rollout": "async"}, "`config.rl.rollout` is not a config field"),
     ({"warmup.target_dev_accuracy": 1.5}, "config.warmup.target_dev_accuracy"),
     ({"warmup.on_cap": "ignore"}, "config.warmup.on_cap"),
-    ({"train.kl_kind": "k9"}, "config.kl_kind"),
+    ({"train.kl_kind": "k9"}, "config.train.kl_kind"),
     ({"checkpoint.every": 0}, "config.checkpoint.every"),
   ],
 )
@@ -44,7 +44,7 @@ def test_bad_config_raises(overrides, match):
 
 
 def test_unknown_task_raises_before_any_work(tmp_path):
-  with pytest.raises(ValueError, match="Unknown task 'nope'"):
+  with pytest.raises(ValueError, match=r"`config.task.name` must be one of .*got 'nope'"):
     rl.run(rl_test_utils.tiny_config(**{"task.name": "nope"}), str(tmp_path))
 
 
@@ -61,7 +61,7 @@ def test_long_tail_config_is_the_main_job_on_a_task_with_a_length_tail():
   assert tail.rl.to_dict() == base.rl.to_dict() and tail.train.to_dict() == base.train.to_dict()
   lengths = {}
   for name, config in (("base", base), ("tail", tail)):
-    task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+    task = rl.make_task(config)
     lengths[name] = np.array([len(e.target_ids) for e in task.split("train")])
   assert set(lengths["base"]) == {5}  # every answer 4 digits + <eos>: no tail
   short, long = np.percentile(lengths["tail"], [50, 99])
@@ -157,6 +157,8 @@ def test_sweep_grid_and_table():
   rows = [
     {
       "point": "loss=ppo",
+      "loss": "ppo",
+      "baseline": "grpo",
       "seed": s,
       "accuracy_before": 0.3,
       "accuracy_after": a,
@@ -167,4 +169,4 @@ def test_sweep_grid_and_table():
     for s, a in ((0, 0.7), (1, 0.8))
   ]
   table = rl.sweep_table(rows)
-  assert "| loss=ppo | 2 | 0.300 (0.300..0.300) | 0.750 (0.700..0.800) |" in table
+  assert "| loss=ppo | ppo | grpo | 2 | 0.300 (0.300..0.300) | 0.750 (0.700..0.800) |" in table

@@ -198,7 +198,7 @@ def test_run_with_fp8_and_partial_rollouts_checkpoints_the_scales(tmp_path):
 
 
 def _model_and_train(config):
-  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  task = rl.make_task(config)
   return rl.build_model(config, task)[0], rl.train_config(config)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import rl_test_utils
 
-from rlx import rl, tasks, train
+from rlx import rl, train
 from rlx.rl import _rollout
 
 TIME_KEYS = ("time/", "tokens_per_s")
@@ -49,7 +49,7 @@ def _rl_records(workdir):
 
 
 def _restore(workdir, config, step=None):
-  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  task = rl.make_task(config)
   model_config, _ = rl.build_model(config, task)
   abstract = train.abstract_train_state(
     model_config, rl.train_config(config), rl.build_mesh(config)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import rl_test_utils
 
-from rlx import rl, tasks, train
+from rlx import rl, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIME_KEYS = ("time/", "tokens_per_s")
@@ -29,7 +29,7 @@ def _rl_records(workdir):
 
 
 def _final(workdir, config):
-  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  task = rl.make_task(config)
   model_config, _ = rl.build_model(config, task)
   mesh = rl.build_mesh(config)
   abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)
@@ -113,7 +113,7 @@ def test_sigkill_mid_run_resumes_and_equals_straight(straight, tmp_path):
 def test_warmup_cap_raises_or_warns(straight):
   _, config, _ = straight
   config = rl_test_utils.tiny_config(**{"warmup.max_steps": 3, "warmup.eval_every": 3})
-  task = tasks.make_task(config.task.name, **config.task.kwargs.to_dict())
+  task = rl.make_task(config)
   model_config, params = rl.build_model(config, task)
   mesh = rl.build_mesh(config)
   calls = []
@@ -137,16 +137,22 @@ def test_warmup_cap_raises_or_warns(straight):
   assert any(jax.tree.leaves(changed)), "the warm-up steps did not train"
 
 
-def test_resuming_with_a_different_config_warns(straight, tmp_path):
+def test_a_workdir_keeps_its_record(straight, tmp_path):
   workdir, config, summary = straight
   copy = str(tmp_path / "copy")
   shutil.copytree(workdir, copy)
   with open(os.path.join(copy, "config.json")) as f:
     assert json.load(f)["rl"]["iterations"] == config.rl.iterations
+  with open(os.path.join(copy, "summary.json")) as f:
+    before = f.read()
   changed = rl_test_utils.run_config(**{"log.plots": True, "rl.temperature": 0.5})
-  with pytest.warns(UserWarning, match=r"different config \(rl.temperature: 1.0 -> 0.5\)"):
-    again = rl.run(changed, copy)
-  assert again["accuracy_after"] == summary["accuracy_after"]  # the run it holds, re-read
+  with pytest.raises(ValueError, match=r"different config \(rl.temperature: 1.0 -> 0.5\)"):
+    rl.run(changed, copy)
   with warnings.catch_warnings():
     warnings.simplefilter("error", UserWarning)
-    rl.run(rl_test_utils.run_config(**{"log.plots": True}), copy)  # same config: silent
+    # The same config (log settings aside): the finished run's summary, nothing recomputed.
+    again = rl.run(rl_test_utils.run_config(**{"log.plots": False}), copy)
+  with open(os.path.join(copy, "summary.json")) as f:
+    assert f.read() == before
+  assert again == json.loads(before)
+  assert again["accuracy_after"] == summary["accuracy_after"]
