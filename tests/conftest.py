@@ -48,6 +48,17 @@ def _write_tokenizer(directory, *, chat_template=CHAT_TEMPLATE):
   return directory
 
 
+@pytest.fixture
+def policy_loss_registry():
+  """Restores rlx.objectives' loss registry after a test that registers losses."""
+  from rlx.objectives import _registry  # noqa: PLC0415
+
+  saved = dict(_registry._SPECS)
+  yield
+  _registry._SPECS.clear()
+  _registry._SPECS.update(saved)
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer_dir(tmp_path_factory):
   return _write_tokenizer(tmp_path_factory.mktemp("tok"))

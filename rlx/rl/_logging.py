@@ -272,14 +272,7 @@ def plot_run(
   accuracy_after: float | None,
   warmup_dev_accuracy: float | None = None,
 ) -> str:
-  """Writes `workdir/plots/rl_curves.png` from metrics.jsonl and returns its path.
-
-  Panels: reward, held-out accuracy (dev curve from the warm-up's end at
-  iteration 0 + test before/after), KL, clip fractions (low, high and dual
-  sides), response length, entropy, and the time split per iteration.
-  `warmup_dev_accuracy` (default: the last warm-up record's) is the dev
-  curve's first point.
-  """
+  """Writes `run_figure(...)` to `workdir/plots/rl_curves.png` and returns its path."""
   fig = run_figure(
     workdir,
     accuracy_before=accuracy_before,

@@ -6,16 +6,6 @@ import numpy as np
 import pytest
 
 import rlx.objectives as obj
-from rlx.objectives import _registry
-
-
-@pytest.fixture
-def registry():
-  """Restores the registry after the test (registrations are process-global)."""
-  saved = dict(_registry._SPECS)
-  yield
-  _registry._SPECS.clear()
-  _registry._SPECS.update(saved)
 
 
 def my_ppo(
@@ -30,7 +20,7 @@ def my_ppo(
   return loss, obj.policy_loss_metrics(mask, log_ratio=log_ratio, ratio=ratio)
 
 
-def test_registered_loss_appears_everywhere(registry):
+def test_registered_loss_appears_everywhere(policy_loss_registry):
   spec = obj.register_policy_loss("my_ppo", my_ppo)
   assert obj.POLICY_LOSS_SPECS["my_ppo"] is spec
   assert obj.POLICY_LOSSES["my_ppo"] is my_ppo
@@ -42,7 +32,7 @@ def test_registered_loss_appears_everywhere(registry):
     obj.POLICY_LOSS_SPECS["x"] = spec
 
 
-def test_registered_loss_equals_the_builtin_it_reimplements(registry):
+def test_registered_loss_equals_the_builtin_it_reimplements(policy_loss_registry):
   obj.register_policy_loss("my_ppo", my_ppo)
   rng = np.random.default_rng(0)
   logp = jnp.asarray(rng.normal(size=(3, 4)) * 0.3 - 1.0, jnp.float32)
@@ -56,7 +46,7 @@ def test_registered_loss_equals_the_builtin_it_reimplements(registry):
   np.testing.assert_allclose(m1.ratio_mean, m2.ratio_mean, rtol=1e-6)
 
 
-def test_name_rules(registry):
+def test_name_rules(policy_loss_registry):
   obj.register_policy_loss("mine", my_ppo)
   with pytest.raises(ValueError, match="already registered; pass overwrite=True"):
     obj.register_policy_loss("mine", my_ppo)
@@ -68,7 +58,7 @@ def test_name_rules(registry):
       obj.register_policy_loss(bad, my_ppo)
 
 
-def test_contract_is_checked(registry):
+def test_contract_is_checked(policy_loss_registry):
   def positional(logp, old_logp, adv, mask, *, is_weights=None, agg="token-mean", agg_scale=None):
     return my_ppo(logp, old_logp, adv, mask)
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from rlx import objectives, rl, tasks
-from rlx.objectives import _registry
 from rlx.rl import _logging, _warmstart
 
 LOSS_FILE = """
@@ -30,15 +29,7 @@ objectives.register_policy_loss("file_loss", file_loss)
 """
 
 
-@pytest.fixture
-def registry():
-  saved = dict(_registry._SPECS)
-  yield
-  _registry._SPECS.clear()
-  _registry._SPECS.update(saved)
-
-
-def test_imports_a_py_path_once_and_registers_its_loss(registry, tmp_path, monkeypatch):
+def test_imports_a_py_path_once_and_registers_its_loss(policy_loss_registry, tmp_path, monkeypatch):
   path = tmp_path / "my_losses.py"
   path.write_text(LOSS_FILE)
   monkeypatch.chdir(tmp_path)

@@ -6,15 +6,6 @@ import pytest
 import train_testlib as tl
 
 from rlx import objectives, train
-from rlx.objectives import _registry
-
-
-@pytest.fixture
-def registry():
-  saved = dict(_registry._SPECS)
-  yield
-  _registry._SPECS.clear()
-  _registry._SPECS.update(saved)
 
 
 def my_ppo(
@@ -56,7 +47,7 @@ def _two_steps(cfg, **kwargs):
   return state, out
 
 
-def test_registered_name_and_loss_argument_equal_the_builtin(registry):
+def test_registered_name_and_loss_argument_equal_the_builtin(policy_loss_registry):
   ref_state, ref = _two_steps(tl.train_config(loss="ppo"))
   objectives.register_policy_loss("my_ppo", my_ppo)
   cfg = tl.train_config(loss="my_ppo")
@@ -71,7 +62,7 @@ def test_registered_name_and_loss_argument_equal_the_builtin(registry):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-def test_loss_kwargs_are_checked_against_the_custom_loss(registry):
+def test_loss_kwargs_are_checked_against_the_custom_loss(policy_loss_registry):
   objectives.register_policy_loss("my_ppo", my_ppo)
   cfg = tl.train_config(loss="my_ppo")
   cfg.loss_kwargs.clip_low = 0.1
@@ -81,7 +72,7 @@ def test_loss_kwargs_are_checked_against_the_custom_loss(registry):
     train.make_train_step(tl.model_config(), tl.train_config(), tl.mesh("single"), loss="nope")
 
 
-def test_differentiable_entropy_reaches_the_params(registry):
+def test_differentiable_entropy_reaches_the_params(policy_loss_registry):
   objectives.register_policy_loss("ent_detached", entropy_only, extra_inputs=("entropy",))
   objectives.register_policy_loss(
     "ent_grad", entropy_only, extra_inputs=("entropy",), differentiable_entropy=True
