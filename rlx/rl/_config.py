@@ -46,7 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
   """Default RL config: the tiny arithmetic task, GRPO, CPU-sized.
 
   Returns:
-    A `ml_collections.ConfigDict`; every field is commented below.
+    A `ml_collections.ConfigDict`; every field is commented where it is set
+    (here and in the `_add_*` section builders below).
   """
   c = ml_collections.ConfigDict()
   # Seed of everything: model init, data order, rollouts, train-step shuffles.
@@ -57,6 +58,14 @@ def get_config() -> ml_collections.ConfigDict:
   # .py files (e.g. "my_loss.py", relative to the working directory).
   c.imports = ""
 
+  _add_task_model_and_rollout(c)
+  _add_train_and_rl(c)
+  _add_warmup_eval_and_outputs(c)
+  return c
+
+
+def _add_task_model_and_rollout(c: ml_collections.ConfigDict) -> None:
+  """`get_config`'s task, model, mesh, sampler and rollout sections."""
   # --- task (rlx.tasks.make_task(name, **task_kwargs(config))) ---
   c.task = ml_collections.ConfigDict()
   c.task.name = "arithmetic"  # a key of rlx.tasks.TASKS
@@ -143,6 +152,9 @@ def get_config() -> ml_collections.ConfigDict:
   # (A config that still sets `sampler.kv_dtype` is read as this field.)
   c.rollout.kv_dtype = "float32"
 
+
+def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
+  """`get_config`'s train-step and RL-loop sections."""
   # --- the train step (rlx.train.get_config(); its fields, see there) ---
   c.train = train.get_config()
   # Open like the rest (command-line overrides may add keys); `validate_config`
@@ -185,6 +197,9 @@ def get_config() -> ml_collections.ConfigDict:
   # iteration that crosses it, with a warning; the summary records it.
   c.rl.max_time_s = 0.0
 
+
+def _add_warmup_eval_and_outputs(c: ml_collections.ConfigDict) -> None:
+  """`get_config`'s warm-up, evaluation, checkpoint and logging sections."""
   # --- supervised warm-up (cross-entropy on the task's gold completions) ---
   c.warmup = ml_collections.ConfigDict()
   c.warmup.enabled = True  # the tiny model has no pretrained weights
@@ -221,7 +236,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.log.tensorboard = True  # TensorBoard event files in workdir/tensorboard
   c.log.plots = True  # PNG plots in workdir/plots at the end
   c.log.print_summary = True  # before/after table on stdout at the end
-  return c
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
