@@ -50,9 +50,11 @@ from rlx.rl._logging import (
   MetricsLog,
   plot_run,
   read_metrics,
+  run_figure,
 )
 from rlx.rl._rollout import (
   Fp8Refresh,
+  PartialRollout,
   Rollout,
   SyncRollout,
   make_sampler,
@@ -89,6 +91,7 @@ __all__ = (
   "Fp8Refresh",
   "Learner",
   "MetricsLog",
+  "PartialRollout",
   "PromptSource",
   "RLStep",
   "Rollout",
@@ -118,6 +121,7 @@ __all__ = (
   "read_metrics",
   "response_arrays",
   "run",
+  "run_figure",
   "run_sweep",
   "sampler_kwargs",
   "samples_per_prompt",
