@@ -5,10 +5,13 @@ r"""Runs a grid of configs x seeds sequentially and writes one comparison table 
       --workdir=/tmp/rlx_sweep
 
 `--grid` is `field=v1,v2;field=v1,...` over config fields (the product is
-run); `--config.<field>=...` overrides the base config. Each run has its own
-workdir under `--workdir` (re-running resumes/reuses finished runs); the table
-goes to stdout and `<workdir>/sweep.md`, the plot to `<workdir>/sweep.png`,
-the rows to `<workdir>/sweep.json`.
+run); `--config.<field>=...` overrides the base config (`--config.imports=`
+brings in your own losses and tasks, as for train_rl.py). Each run has its own
+workdir under `--workdir` (re-running resumes unfinished runs and reads
+finished ones back when their recorded config equals the requested one; a
+different one is refused). Runs of a seed share one warm-up. One line is
+printed per finished run; the table goes to stdout and `<workdir>/sweep.md`,
+the plot to `<workdir>/sweep.png`, the rows to `<workdir>/sweep.json`.
 """
 
 import json

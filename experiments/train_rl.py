@@ -8,8 +8,13 @@ The default runs the embedded tiny-arithmetic experiment on CPU in minutes:
 
 Flags: `--config` (an ml_collections config file, default
 experiments/configs/arithmetic.py; any field can be overridden as
-`--config.<field>=<value>`) and `--workdir` (default /tmp/rlx_arithmetic;
-re-running on the same workdir resumes from its last checkpoint). Everything
+`--config.<field>=<value>`, and any keyword of the chosen loss or task as
+`--config.train.loss_kwargs.<kw>=` / `--config.task.kwargs.<kw>=`) and
+`--workdir` (default /tmp/rlx_arithmetic; re-running on the same workdir
+resumes from its last checkpoint, a finished one returns its summary, and one
+of another config is refused). Your own loss or task: a file that calls
+`rlx.objectives.register_policy_loss` / `rlx.tasks.register_task`, named by
+`--config.imports=my_loss.py` (comma-separated files or modules). Everything
 else is `rlx.rl.run`.
 """
 
