@@ -5,6 +5,9 @@
   kernel on GPU, Pallas Mosaic kernel on TPU, XLA reference math on CPU, chosen
   by where the inputs live; with `paged_attention_reference` and
   `write_kv_pages`.
+- `paged_prefill_attention`: a prefill chunk's causal attention over its row's
+  cached pages and itself (chunked prefill), with
+  `paged_prefill_attention_reference`.
 - `fp8_blockwise_matmul`: FP8 matmul with DeepSeek-V3 blockwise scales
   (https://arxiv.org/abs/2412.19437; DeepGEMM), with the quantizers
   `quantize_fp8_blockwise` / `quantize_fp8_per_token_group`.
@@ -33,6 +36,10 @@ from rlx.kernels_pallas._paged_attention import (
   paged_attention_reference,
   validate_paged_attention_inputs,
 )
+from rlx.kernels_pallas._paged_prefill_attention import (
+  paged_prefill_attention,
+  paged_prefill_attention_reference,
+)
 
 __all__ = (
   "PagedAttentionBlockSizes",
@@ -42,6 +49,8 @@ __all__ = (
   "fp8_max",
   "paged_attention",
   "paged_attention_reference",
+  "paged_prefill_attention",
+  "paged_prefill_attention_reference",
   "quantize_fp8_blockwise",
   "quantize_fp8_per_token_group",
   "saturating_cast",

@@ -1,4 +1,5 @@
-"""Pieces shared by the rlx.kernels_pallas kernels: constants, backend dispatch, scale checks.
+"""Pieces shared by the rlx.kernels_pallas kernels: constants, backend dispatch, scale checks,
+the page gather of the XLA attention paths.
 
 Dispatch follows where the input arrays live: `impl="auto"` picks the Pallas
 kernel of the platform holding the (concrete) inputs, so arrays placed on the
@@ -10,6 +11,7 @@ tracing the placement is unknown; the abstract mesh's device, then
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from rlx.kernels_pallas._fp8_quant import is_fp8
 
@@ -162,3 +164,35 @@ def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype) -> jax.Array
       )
   scale = jnp.asarray(scale)
   return jnp.broadcast_to(scale.astype(jnp.float32).reshape(-1), (num_kv_heads,))
+
+
+# Gather of [1, Hkv, 1, page, D] slices of a stacked [L, Hkv, P, page, D] pool, one per
+# (layer, page) index, laid out [B, Hkv, n, page, D] (batch dims leading, as the dots use).
+_PAGE_GATHER_DIMS = lax.GatherDimensionNumbers(
+  offset_dims=(1, 3, 4), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
+)
+
+
+def gather_pages(pages: jax.Array, layer: jax.Array, cols: jax.Array) -> jax.Array:
+  """Row b's pages `cols[b]` of layer `layer` of a stacked pool, in attention layout.
+
+  One `[1, Hkv, 1, page, D]` slice per (layer, page) index: no layer slice of the
+  pool is ever materialised (the layer index is part of every gather index), and
+  no transpose follows.
+
+  Args:
+    pages: `[L, Hkv, P, page_size, D]` stacked page pool (any dtype).
+    layer: int32 scalar in [0, L).
+    cols: i32`[B, n]` page indices, in [0, P) (not checked: clamp them first).
+
+  Returns:
+    `[B, Hkv, n * page_size, D]` in the pool's dtype: row b's n pages in order.
+  """
+  _, num_kv_heads, _, page_size, head_dim = pages.shape
+  batch, n = cols.shape
+  index = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), cols.shape), cols], -1)
+  x = lax.gather(
+    pages, index, _PAGE_GATHER_DIMS, (1, num_kv_heads, 1, page_size, head_dim),
+    mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )  # fmt: skip
+  return x.reshape(batch, num_kv_heads, n * page_size, head_dim)

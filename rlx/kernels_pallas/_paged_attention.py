@@ -39,6 +39,7 @@ from rlx.kernels_pallas._common import (
   MASK_VALUE,
   arrays_platform,
   check_kv_scale,
+  gather_pages,
   is_concrete,
   next_pow2,
   resolve_impl,
@@ -337,21 +338,12 @@ def _paged_attention_xla(
   hp = lax.Precision.HIGHEST
   live_blocks = (jnp.max(lengths) + tokens - 1) // tokens
 
-  # Gather straight into the dots' layout [B, Hkv, bp, page, D] (batch dims leading):
-  # one [1, Hkv, 1, page, D] slice of the stacked pool per (layer, page) index, no
-  # transpose and no copy of the layer's pool.
-  dnums = lax.GatherDimensionNumbers(
-    offset_dims=(1, 3, 4), collapsed_slice_dims=(0, 2), start_index_map=(0, 2)
-  )
+  # Gather straight into the dots' layout [B, Hkv, T, D] (`gather_pages`: no transpose
+  # and no copy of the layer's pool).
   layer = jnp.asarray(layer, jnp.int32)
 
   def gather(pages, cols, scale, valid):
-    index = jnp.stack([jnp.broadcast_to(layer, cols.shape), cols], axis=-1)  # [B, bp, 2]
-    x = lax.gather(
-      pages, index, dnums, (1, num_kv_heads, 1, page_size, head_dim),
-      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
-    )  # fmt: skip
-    x = x.astype(jnp.float32).reshape(batch, num_kv_heads, tokens, head_dim)
+    x = gather_pages(pages, layer, cols).astype(jnp.float32)  # [B, Hkv, T, D]
     return jnp.where(valid[:, None, :, None], x * scale[None, :, None, None], 0.0)
 
   def body(j, carry):

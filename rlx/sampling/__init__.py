@@ -30,7 +30,8 @@ Rows are prompt-major: row i * num_samples + j is sample j of prompt i. The
 decode step is the policy's own layer scan (`rlx.policy.layer_scan`) with the
 stacked page pool in its carry and `rlx.kernels_pallas.paged_attention` /
 `write_kv_pages` as the attention hook; see `rlx.sampling._engine` (device
-side) and `rlx.sampling._sampler` (scheduling, prefix sharing, preemption).
+side), `rlx.sampling._scheduler` (admission, preemption, chunked prefill) and
+`rlx.sampling._pages` (free stack, reference counts, prefix sharing).
 """
 
 from rlx.sampling._config import (

@@ -14,7 +14,10 @@ A slot's KV holds its first `length` tokens; `last_token` (position `length`)
 is fed to the next decode step, which writes its K/V, attends over
 `length + 1` tokens and samples token `num_generated`. So a prompt of n
 tokens is prefilled with its first n - 1 tokens and every sampled token comes
-out of the decode step (one sampling path).
+out of the decode step (one sampling path). Prefill runs the same layer scan
+over a chunk of tokens per row: its attention hook writes the chunk's K/V with
+`write_kv_pages` and attends with `rlx.kernels_pallas.paged_prefill_attention`
+(causally over the chunk, and over the row's cached pages).
 
 The decode loop is one `lax.while_loop` of up to `steps_per_sync` steps. Each
 step (1) pops a page from the free stack for every slot whose next position
@@ -40,9 +43,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlx import kernels_pallas, policy
 from rlx.sampling._config import SamplerConfig
 from rlx.sampling._sample import sample_keys, sample_tokens
-
-# Finite "-inf" for masked attention logits (a fully masked padding row stays finite).
-_MASK = -0.7 * float(np.finfo(np.float32).max)
 
 
 class KVPool(NamedTuple):
@@ -257,77 +257,6 @@ class Engine:
       check_vma=False,
     )(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, layer)
 
-  def _chunk_attention(self, q, k, v, pool, layer, start, num_new, page_table, k_scale, v_scale):
-    """Prefill attention of a chunk: causally over itself, and over the row's cached pages.
-
-    q [B, C, H, D], k/v [B, C, Hkv, D] (the chunk's own keys/values); pool the stacked
-    `KVPool` (layer `layer`); start i32[B] (positions < start are cached in the row's
-    pages), num_new i32[B] (real chunk tokens); page_table [B, pps]. Query c of row b
-    (position start[b] + c) attends to the cached positions and to chunk tokens
-    c' <= c, c' < num_new[b]. The chunk's own K/V are taken straight from k/v,
-    rounded through the page dtype and scales exactly as `write_kv_pages` stores them
-    and a page read returns them (so the same values as reading them back from the
-    pages); the cached part gathers the row's pages only when some row of the call
-    starts past 0 (`lax.cond`; a single-chunk prompt never does). The two parts are
-    merged with a log-sum-exp; float32 softmax.
-    """
-    b, c, h, d = q.shape
-    hkv = k.shape[2]
-    group = h // hkv
-    hp = jax.lax.Precision.HIGHEST
-    page_dtype = pool.k.dtype
-
-    def as_stored(x, scale):  # what a page read returns for x written with `write_kv_pages`
-      scale = scale[None, None, :, None]
-      return (
-        kernels_pallas.saturating_cast(x.astype(jnp.float32) / scale, page_dtype).astype(
-          jnp.float32
-        )
-        * scale
-      )
-
-    kc, vc = as_stored(k, k_scale), as_stored(v, v_scale)  # [B, C, Hkv, D]
-    qg = q.astype(jnp.float32).reshape(b, c, hkv, group, d) * np.float32(1 / np.sqrt(d))
-    ci = jnp.arange(c, dtype=jnp.int32)
-    own_ok = (ci[None, :] <= ci[:, None])[None] & (ci[None, None, :] < num_new[:, None, None])
-    s_own = jnp.einsum("bchgd,bkhd->bhgck", qg, kc, precision=hp)  # [B, Hkv, G, C, C]
-    s_own = jnp.where(own_ok[:, None, None], s_own, _MASK)
-    m_own = s_own.max(axis=-1)
-
-    def cached(_):
-      total_pages, page_size = pool.k.shape[2], pool.k.shape[3]
-      table = jnp.clip(page_table, 0, total_pages - 1)
-      capacity = table.shape[1] * page_size
-      ok = jnp.arange(capacity, dtype=jnp.int32)[None, :] < start[:, None]  # [B, cap]
-
-      def gather(pages, scale):  # pages[layer][:, table] as one gather (no layer copy)
-        x = pages[layer][:, table].astype(jnp.float32).reshape(hkv, b, capacity, d)
-        return jnp.where(ok[None, :, :, None], x * scale[:, None, None, None], 0.0)
-
-      kk, vv = gather(pool.k, k_scale), gather(pool.v, v_scale)
-      sc = jnp.einsum("bchgd,hbld->bhgcl", qg, kk, precision=hp)
-      sc = jnp.where(ok[:, None, None, None], sc, _MASK)
-      m = sc.max(axis=-1)
-      p = jnp.where(ok[:, None, None, None], jnp.exp(sc - m[..., None]), 0.0)
-      return m, p.sum(axis=-1), jnp.einsum("bhgcl,hbld->bhgcd", p, vv, precision=hp)
-
-    def nothing(_):
-      shape = (b, hkv, group, c)
-      return (
-        jnp.full(shape, _MASK, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, d), jnp.float32),
-      )
-
-    m_c, l_c, acc_c = jax.lax.cond(jnp.any(start > 0), cached, nothing, None)
-    m = jnp.maximum(m_own, m_c)
-    p_own = jnp.where(own_ok[:, None, None], jnp.exp(s_own - m[..., None]), 0.0)
-    w_c = jnp.exp(m_c - m)
-    denom = p_own.sum(axis=-1) + l_c * w_c
-    acc = jnp.einsum("bhgck,bkhd->bhgcd", p_own, vc, precision=hp) + acc_c * w_c[..., None]
-    out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, c, h, d).astype(q.dtype)
-
   # --------------------------------------------------------------------------------------
   # Prefill.
 
@@ -350,7 +279,9 @@ class Engine:
       )
       pool = KVPool(self._constrain(kp, "pool"), self._constrain(vp, "pool"))
       # Reads only positions < start of the written pool (so the write stays in place).
-      out = self._chunk_attention(q, k, v, pool, i, start, num_new, page_table, ks, vs)
+      out = kernels_pallas.paged_prefill_attention(
+        q, k, v, pool.k, pool.v, start, num_new, page_table, k_scale=ks, v_scale=vs, layer=i
+      )
       return out, pool
 
     x = policy.embed(params, model, tokens)

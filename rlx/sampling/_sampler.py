@@ -1,45 +1,16 @@
 """`Sampler`: continuous-batching generation from a paged KV cache, plus a pure jittable path.
 
-Host scheduling (between device windows of up to `steps_per_sync` decode steps;
-see `rlx.sampling._engine` for the device side), in the spirit of vLLM's
-scheduler (Kwon et al. 2023, https://arxiv.org/abs/2309.06180):
-
-- Queue: requests (prompt i, sample j) in prompt-major order, FIFO; a
-  preempted request goes back to the FRONT with its tokens kept.
-- Admission (every scheduling point with continuous batching; only when all
-  slots are idle with static batching): the queue head gets a free slot if
-  its pages fit next to a reserve of the pages the running slots will need in
-  the next window (no reserve when nothing runs), so admission rarely causes
-  a preemption.
-- Prefix sharing: the first admitted sample of prompt i prefills the prompt
-  (all but its last token) once into pages held by a "prompt holder"; every
-  sample of the prompt references the full pages (reference counts) and gets
-  its own copy of the partly filled last page (the last sibling admitted takes
-  the holder's page itself, so G = 1 copies nothing). The holder drops its
-  references once all G samples were admitted.
-- Preemption: when a slot finds no free page the window ends early; the host
-  preempts the NEWEST running sequence (the one admitted last) until the
-  blocked slots fit, and re-queues it with its prompt, tokens and log-probs;
-  on re-admission its KV is recomputed by prefill (no sharing). A sequence
-  never changes a token because of this (same per-sample keys, same
-  positions; only float rounding of recomputed K/V differs).
-- Resume and early stop (`generate_requests`, the building block of
-  `RolloutEngine`'s partial rollouts): a request may start with a response
-  prefix, admitted like a preempted one (prompt + prefix KV recomputed by
-  prefill); a host condition checked at every scheduling point ends the call,
-  handing back each unfinished request's tokens and log-probs so far.
-- Prefill: chunked, at most `prefill_chunk` tokens per row per call (a chunk
-  attends to the row's earlier pages and causally to itself). A call's width
-  is the smallest bucket that holds the longest remaining piece of its rows,
-  the buckets being the powers of two in [min(8, prefill_chunk),
-  prefill_chunk) plus prefill_chunk itself (so 8-32-token prompts are not
-  padded to a 64-wide chunk); rows are padded to a power of two in
-  [min(8, S), next_pow2(S)]. So prefill compiles at most
-  `prefill_width_buckets(prefill_chunk) * (1 + max(0, ceil(log2(max_slots / 8))))`
-  times per sampler whatever the prompt lengths (`prefill_compile_bound`;
-  once for max_slots <= 8 and prefill_chunk <= 8).
-  The decode loop compiles once per sampler (fixed shapes; every count,
-  threshold and scale is a traced argument).
+`Sampler.generate` / `generate_requests` validate their inputs and run the host
+loop: `rlx.sampling._scheduler.Scheduler` decides between device windows of up
+to `steps_per_sync` decode steps what runs (admission, prefix sharing,
+preemption, early stop; in the spirit of vLLM's scheduler, Kwon et al. 2023,
+https://arxiv.org/abs/2309.06180), `rlx.sampling._pages.PageManager` owns the
+pages (free stack, reference counts, shared prompt pages), and the jitted
+`rlx.sampling._engine.Engine` runs prefill, page copies and the decode loop.
+Prefill compiles at most `prefill_compile_bound(config)` times per sampler
+whatever the prompt lengths (once for max_slots <= 8 and prefill_chunk <= 8);
+the decode loop compiles once per sampler (fixed shapes; every count,
+threshold and scale is a traced argument).
 
 Benchmarking: `Completions.stats` has tokens_per_s (generated tokens over the
 call's wall time: warm up first, the first call compiles), decode_steps,
@@ -50,8 +21,6 @@ Pool size: the same work with `num_pages` scaled (a decode step gathers only
 the pages its slots' tables name, so its cost follows the tokens).
 """
 
-import collections
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -69,11 +38,19 @@ from rlx.sampling._engine import (
   PageState,
   SlotState,
   compile_key,
-  empty_slots,
   engine_for,
   stop_id_slots,
 )
 from rlx.sampling._fp8 import quantize_params
+from rlx.sampling._pages import PageManager, copy_plan
+from rlx.sampling._scheduler import (
+  Request,
+  Scheduler,
+  prefill_calls,
+  prefill_width,
+)
+from rlx.sampling._scheduler import prefill_compile_bound as prefill_compile_bound
+from rlx.sampling._scheduler import prefill_widths as prefill_widths
 
 
 class Completions(NamedTuple):
@@ -99,89 +76,6 @@ class Completions(NamedTuple):
   finish_reason: tuple[str, ...]
   prompt_index: np.ndarray
   stats: dict[str, float]
-
-
-@dataclasses.dataclass
-class _Request:
-  row: int
-  prompt_index: int
-  sample_index: int
-  prompt: np.ndarray
-  tokens: list = dataclasses.field(default_factory=list)
-  logprobs: list = dataclasses.field(default_factory=list)
-  started: bool = False  # admitted at least once (a re-admission recomputes all its KV)
-  private: bool = False  # prefill its own prompt pages (no sharing)
-  finish_reason: str | None = None
-
-
-@dataclasses.dataclass
-class _Holder:
-  pages: list  # prompt pages, full ones first, then the partial one (if any)
-  num_full: int
-  remaining: int  # samples of the prompt not admitted yet
-
-
-class _Pages:
-  """Host copy of the page state between windows (edited at scheduling points)."""
-
-  def __init__(self, state: PageState):
-    self.table = np.array(state.page_table)
-    self.refcount = np.array(state.refcount)
-    self.free_stack = np.array(state.free_stack)
-    self.num_free = int(state.num_free)
-
-  def pop(self, n: int) -> list:
-    if n > self.num_free:
-      raise RuntimeError(f"internal: popping {n} pages with {self.num_free} free")
-    pages = [int(p) for p in self.free_stack[self.num_free - n : self.num_free][::-1]]
-    self.num_free -= n
-    self.refcount[pages] = 1
-    return pages
-
-  def incref(self, pages):
-    for p in pages:
-      self.refcount[p] += 1
-
-  def decref(self, pages):
-    for p in pages:
-      self.refcount[p] -= 1
-      if self.refcount[p] == 0:
-        self.free_stack[self.num_free] = p
-        self.num_free += 1
-
-  def state(self) -> PageState:
-    return PageState(self.table, self.refcount, self.free_stack, np.int32(self.num_free))
-
-
-# Prefill row buckets: powers of two from min(8, S) up to S (few compiles, little padding).
-_MIN_PREFILL_ROWS = 8
-# Narrowest prefill call (tokens per row): the width buckets are the powers of two from
-# min(8, prefill_chunk) below prefill_chunk, and prefill_chunk itself.
-_MIN_PREFILL_WIDTH = 8
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def prefill_widths(prefill_chunk: int) -> tuple[int, ...]:
-  """The prefill call widths (tokens per row) a sampler uses, ascending."""
-  widths, w = [], min(_MIN_PREFILL_WIDTH, prefill_chunk)
-  while w < prefill_chunk:
-    widths.append(w)
-    w *= 2
-  return (*widths, prefill_chunk)
-
-
-def prefill_width(piece: int, prefill_chunk: int) -> int:
-  """The narrowest prefill width bucket holding `piece` (<= prefill_chunk) tokens per row."""
-  return next(w for w in prefill_widths(prefill_chunk) if w >= min(piece, prefill_chunk))
-
-
-def prefill_compile_bound(config: SamplerConfig) -> int:
-  """Most prefill compiles of one sampler: width buckets x row buckets."""
-  rows = 1 + max(0, math.ceil(math.log2(config.max_slots / _MIN_PREFILL_ROWS)))
-  return len(prefill_widths(config.prefill_chunk)) * rows
 
 
 class Sampler:
@@ -358,7 +252,7 @@ class Sampler:
     k_scale, v_scale = self._kv_scales(kv_scales)
     t0 = time.perf_counter()
     requests = [
-      _Request(i * num_samples + j, i, j, p) for i, p in enumerate(prompts)
+      Request(i * num_samples + j, i, j, p) for i, p in enumerate(prompts)
       for j in range(num_samples)
     ]  # fmt: skip
     return self._schedule(params, requests, rng, k_scale, v_scale, t0, stop_when=None)
@@ -465,7 +359,7 @@ class Sampler:
         raise ValueError(f"`prefix_tokens[{r}]` has ids outside [0, vocab_size={vocab}).")
       if not np.isfinite(lps).all() or (lps > 0).any():
         raise ValueError(f"`prefix_logprobs[{r}]` must be finite log-probs <= 0.")
-      req = _Request(
+      req = Request(
         r, int(ids["prompt_index"][r]), int(ids["sample_index"][r]), prompts[r],
         tokens=toks.astype(np.int32).tolist(), logprobs=lps.astype(np.float32).tolist(),
       )  # fmt: skip
@@ -477,31 +371,17 @@ class Sampler:
     return self._schedule(params, requests, rng, k_scale, v_scale, t0, stop_when=stop_when)
 
   def _schedule(self, params, requests, rng, k_scale, v_scale, t0, *, stop_when):
-    """The host scheduling loop of `generate` / `generate_requests` over `requests`."""
+    """The host loop of `generate` / `generate_requests` over `requests` (`Scheduler`)."""
     cfg, eng = self.config, self._engine
-    S, M, P, page = cfg.max_slots, cfg.max_new_tokens, cfg.num_pages, cfg.page_size
+    S, P = cfg.max_slots, cfg.num_pages
     prefix_tokens = sum(len(r.tokens) for r in requests)
-    queue = collections.deque(requests)
-    holders: dict[int, _Holder] = {}
-    slot_req: list[_Request | None] = [None] * S
-    admitted_at = np.zeros(S, np.int64)
-    clock = 0
-    slots = empty_slots(S, M)
-    pages = _Pages(
-      PageState(
-        np.zeros((S, eng.pages_per_sequence), np.int32),
-        np.zeros(P, np.int32),
-        np.arange(P, dtype=np.int32),
-        np.int32(P),
-      )
-    )
+    pages = PageManager(S, eng.pages_per_sequence, P, cfg.page_size)
+    sched = Scheduler(cfg, requests, pages)
     # The pool buffer is reused across calls (donated through every step): stale
     # page contents are never read, a slot only attends to positions it wrote.
     pool, self._pool = self._pool, None
     if pool is None:
       pool = eng.empty_pool(P)
-    stats = collections.Counter()
-    peak = 0
     page_sh, slot_sh = eng.state_shardings()
 
     def put(tree, shardings):
@@ -509,234 +389,42 @@ class Sampler:
         return jax.device_put(tree)
       return jax.device_put(tree, shardings)
 
-    def growth(s: int) -> int:
-      w = min(cfg.steps_per_sync, M - int(slots.num_generated[s]))
-      n = int(slots.length[s])
-      return -(-(n + w) // page) - (-(-n // page))
-
-    def release_slot(s: int):
-      n = int(slots.length[s])
-      pages.decref([int(p) for p in pages.table[s, : -(-n // page)]])
-      pages.table[s] = 0
-      slots.active[s] = False
-      slot_req[s] = None
-
-    def drop_holders():
-      for h in holders.values():
-        pages.decref(h.pages)
-      holders.clear()
-
-    def admit():
-      nonlocal clock
-      free_slots = [s for s in range(S) if slot_req[s] is None]
-      prefill_rows = []  # (tokens to prefill, page list)
-      copies = []  # (src page, dst page)
-      if not free_slots or not queue:
-        return prefill_rows, copies
-      # Kept up to date below instead of rescanning slots / queue per request.
-      running = any(r is not None for r in slot_req)
-      reserve = sum(growth(s) for s in range(S) if slot_req[s] is not None)
-      unstarted = collections.Counter(r.prompt_index for r in queue if not r.started)
-      while free_slots and queue:
-        req = queue[0]
-        n = req.prompt.size
-        holder = holders.get(req.prompt_index) if not req.started else None
-        siblings = 0
-        if req.started or req.private:
-          seq = np.concatenate([req.prompt, np.asarray(req.tokens, np.int32)])
-          m = seq.size - 1
-          need = -(-m // page)
-        elif holder is not None:
-          m = n - 1
-          need = 1 if (m % page and holder.remaining > 1) else 0
-        else:
-          m = n - 1
-          siblings = unstarted[req.prompt_index]
-          need = -(-m // page) + (1 if (m % page and siblings > 1) else 0)
-        if need > pages.num_free - (reserve if running else 0):
-          if not running and holders:
-            drop_holders()  # held prompt pages must not starve the queue head
-            continue
-          if not running and not req.started and not req.private:
-            req.private = True  # too tight to keep a shared copy: prefill its own pages
-            continue
-          break
-        queue.popleft()
-        if not req.started:
-          unstarted[req.prompt_index] -= 1
-        s = free_slots.pop(0)
-        if req.started or req.private:
-          own = pages.pop(need)
-          prefill_rows.append((seq[:m], own))
-          last = int(seq[-1])
-        else:
-          if holder is None:
-            holder = _Holder(pages.pop(-(-m // page)), m // page, siblings)
-            holders[req.prompt_index] = holder
-            prefill_rows.append((req.prompt[:m], holder.pages))
-          holder.remaining -= 1
-          full = holder.pages[: holder.num_full]
-          pages.incref(full)
-          own = list(full)
-          if m % page:
-            partial = holder.pages[holder.num_full]
-            if holder.remaining == 0:
-              pages.incref([partial])  # the holder's reference is dropped below
-              own.append(partial)
-            else:
-              dst = pages.pop(1)[0]
-              copies.append((partial, dst))
-              own.append(dst)
-          if holder.remaining == 0:
-            pages.decref(holder.pages)
-            del holders[req.prompt_index]
-          last = int(req.prompt[-1])
-        req.started = True
-        g = len(req.tokens)
-        slot_req[s] = req
-        clock += 1
-        admitted_at[s] = clock
-        pages.table[s] = 0
-        pages.table[s, : len(own)] = own
-        slots.active[s] = True
-        slots.length[s] = m
-        slots.last_token[s] = last
-        slots.num_generated[s] = g
-        slots.prompt_index[s] = req.prompt_index
-        slots.sample_index[s] = req.sample_index
-        slots.stopped[s] = False
-        slots.tokens[s] = 0
-        slots.tokens[s, :g] = req.tokens
-        slots.logprobs[s] = 0
-        slots.logprobs[s, :g] = req.logprobs
-        running = True
-        reserve += growth(s)
-      return prefill_rows, copies
-
-    def run_prefill(rows, pool):
-      chunk = cfg.prefill_chunk
-      rows = sorted((r for r in rows if len(r[0])), key=lambda r: -len(r[0]))
-      c = 0
-      while rows and len(rows[0][0]) > c * chunk:
-        live = [r for r in rows if len(r[0]) > c * chunk]
-        b = min(max(_next_pow2(len(live)), _MIN_PREFILL_ROWS), _next_pow2(S))
-        width = prefill_width(len(live[0][0]) - c * chunk, chunk)  # longest piece first
-        tokens = np.zeros((b, width), np.int32)
-        start = np.full((b,), c * chunk, np.int32)
-        num_new = np.zeros((b,), np.int32)
-        table = np.zeros((b, eng.pages_per_sequence), np.int32)
-        for r, (seq, own) in enumerate(live):
-          piece = seq[c * chunk : c * chunk + width]
-          tokens[r, : piece.size] = piece
-          num_new[r] = piece.size
-          table[r, : len(own)] = own
-        pool = eng.prefill(params, pool, tokens, start, num_new, table, k_scale, v_scale)
-        stats["prefill_calls"] += 1
-        stats["prefill_tokens"] += int(num_new.sum())
-        c += 1
-      return pool
-
     while True:
-      if cfg.continuous_batching or not any(r is not None for r in slot_req):
-        rows, copies = admit()
-        pool = run_prefill(rows, pool)
+      if cfg.continuous_batching or not sched.running:
+        rows, copies = sched.admit()
+        pool = self._prefill(params, pool, rows, k_scale, v_scale, sched.stats)
         if copies:
-          src = np.full((S,), 0, np.int32)
-          dst = np.full((S,), P, np.int32)  # P: dropped
-          for i, (a, b) in enumerate(copies):
-            src[i], dst[i] = a, b
-          pool = eng.copy_pages(pool, src, dst)
-      peak = max(peak, P - pages.num_free)
-      if not any(r is not None for r in slot_req):
-        if queue:
-          raise RuntimeError("internal: nothing runs and the queue head does not fit")
+          pool = eng.copy_pages(pool, *copy_plan(copies, S, P))
+      sched.note_pages_in_use()
+      if not sched.running:
         break
-      exit_after = S + 1
-      if cfg.continuous_batching and queue:
-        exit_after = min(len(queue), max(1, S // 8))
-      elif stop_when is not None:
-        exit_after = max(1, S // 8)  # let the host check the stop condition soon after finishes
-      dev_pages, dev_slots = put(pages.state(), page_sh), put(slots, slot_sh)
+      exit_after = sched.exit_after(early_stop=stop_when is not None)
+      dev_pages, dev_slots = put(pages.state(), page_sh), put(sched.slots, slot_sh)
       pool, dev_pages, dev_slots, info = eng.decode(
         params, pool, dev_pages, dev_slots, rng, k_scale, v_scale,
         self._knobs(cfg.steps_per_sync, exit_after), allocate=True,
       )  # fmt: skip
-      new_pages, new_slots, info = jax.device_get((dev_pages, dev_slots, info))
-      pages = _Pages(new_pages)
-      slots = SlotState(*(np.array(x) for x in new_slots))
-      stats["decode_steps"] += int(info.steps)
-      stats["syncs"] += 1
-      peak = max(peak, int(info.peak_pages))
-      for s in range(S):
-        req = slot_req[s]
-        if req is not None and not slots.active[s]:
-          g = int(slots.num_generated[s])
-          req.tokens = slots.tokens[s, :g].tolist()
-          req.logprobs = slots.logprobs[s, :g].tolist()
-          req.finish_reason = "stop" if slots.stopped[s] else "length"
-          slot_req[s] = None  # pages were released on device
-          pages.table[s] = 0
-      blocked = [s for s in range(S) if info.blocked[s] and slot_req[s] is not None]
-      while blocked and len(blocked) > pages.num_free:
-        s = max((s for s in range(S) if slot_req[s] is not None), key=lambda s: admitted_at[s])
-        req = slot_req[s]
-        g = int(slots.num_generated[s])
-        req.tokens = slots.tokens[s, :g].tolist()
-        req.logprobs = slots.logprobs[s, :g].tolist()
-        release_slot(s)
-        queue.appendleft(req)
-        stats["preemptions"] += 1
-        blocked = [b for b in blocked if b != s]
-      if stop_when is not None and stop_when(
-        np.asarray([r.finish_reason is not None for r in requests], bool)
-      ):
-        for s in range(S):  # abort: every running request keeps what it generated
-          req = slot_req[s]
-          if req is not None:
-            g = int(slots.num_generated[s])
-            req.tokens = slots.tokens[s, :g].tolist()
-            req.logprobs = slots.logprobs[s, :g].tolist()
-            release_slot(s)
-        stats["stopped_early"] = 1
+      sched.end_window(*jax.device_get((dev_pages, dev_slots, info)))
+      if stop_when is not None and stop_when(sched.done()):
+        sched.abort()
         break
-    drop_holders()
+    sched.finish()
     self._pool = pool
+    return _completions(sched, cfg, prefix_tokens, time.perf_counter() - t0)
 
-    wall = time.perf_counter() - t0
-    n = len(requests)
-    tokens = np.zeros((n, M), np.int32)
-    logprobs = np.zeros((n, M), np.float32)
-    lengths = np.zeros((n,), np.int32)
-    for r in requests:
-      g = len(r.tokens)
-      tokens[r.row, :g] = r.tokens
-      logprobs[r.row, :g] = r.logprobs
-      lengths[r.row] = g
-    generated = int(lengths.sum()) - prefix_tokens
-    steps = int(stats["decode_steps"])
-    out_stats = {
-      "tokens_per_s": generated / wall if wall > 0 else float("inf"),
-      "generated_tokens": generated,
-      "decode_steps": steps,
-      "slot_utilisation": generated / (steps * S) if steps else 0.0,
-      "stopped_early": bool(stats["stopped_early"]),
-      "preemptions": int(stats["preemptions"]),
-      "peak_pages_used": int(peak),
-      "num_pages": P,
-      "pages_in_use_at_end": int(P - pages.num_free),
-      "prefill_tokens": int(stats["prefill_tokens"]),
-      "prefill_calls": int(stats["prefill_calls"]),
-      "syncs": int(stats["syncs"]),
-      "wall_s": wall,
-    }
-    return Completions(
-      tokens=tokens,
-      logprobs=logprobs,
-      lengths=lengths,
-      finish_reason=tuple(r.finish_reason or "unfinished" for r in requests),
-      prompt_index=np.asarray([r.prompt_index for r in requests], np.int32),
-      stats=out_stats,
-    )
+  def _prefill(self, params, pool, rows, k_scale, v_scale, stats):
+    """Runs the chunked prefill calls of `rows` (`prefill_calls`); returns the pool."""
+    eng = self._engine
+    for call in prefill_calls(
+      rows,
+      prefill_chunk=self.config.prefill_chunk,
+      max_slots=self.config.max_slots,
+      pages_per_sequence=eng.pages_per_sequence,
+    ):
+      pool = eng.prefill(params, pool, *call, k_scale, v_scale)
+      stats["prefill_calls"] += 1
+      stats["prefill_tokens"] += int(call.num_new.sum())
+    return pool
 
   # --------------------------------------------------------------------------------------
   # Pure jittable path.
@@ -854,3 +542,42 @@ class Sampler:
       params, pool, pages, slots, rng, k_scale, v_scale, self._knobs(M, n + 1), allocate=False,
     )  # fmt: skip
     return slots.tokens, slots.logprobs, slots.num_generated, slots.stopped
+
+
+def _completions(sched: Scheduler, config: SamplerConfig, prefix_tokens: int, wall: float):
+  """`Completions` of a finished `Scheduler` (rows in request order)."""
+  requests, stats = sched.requests, sched.stats
+  n, S, P = len(requests), config.max_slots, config.num_pages
+  tokens = np.zeros((n, config.max_new_tokens), np.int32)
+  logprobs = np.zeros((n, config.max_new_tokens), np.float32)
+  lengths = np.zeros((n,), np.int32)
+  for r in requests:
+    g = len(r.tokens)
+    tokens[r.row, :g] = r.tokens
+    logprobs[r.row, :g] = r.logprobs
+    lengths[r.row] = g
+  generated = int(lengths.sum()) - prefix_tokens
+  steps = int(stats["decode_steps"])
+  out_stats = {
+    "tokens_per_s": generated / wall if wall > 0 else float("inf"),
+    "generated_tokens": generated,
+    "decode_steps": steps,
+    "slot_utilisation": generated / (steps * S) if steps else 0.0,
+    "stopped_early": bool(stats["stopped_early"]),
+    "preemptions": int(stats["preemptions"]),
+    "peak_pages_used": int(sched.peak_pages),
+    "num_pages": P,
+    "pages_in_use_at_end": int(sched.pages.in_use),
+    "prefill_tokens": int(stats["prefill_tokens"]),
+    "prefill_calls": int(stats["prefill_calls"]),
+    "syncs": int(stats["syncs"]),
+    "wall_s": wall,
+  }
+  return Completions(
+    tokens=tokens,
+    logprobs=logprobs,
+    lengths=lengths,
+    finish_reason=tuple(r.finish_reason or "unfinished" for r in requests),
+    prompt_index=np.asarray([r.prompt_index for r in requests], np.int32),
+    stats=out_stats,
+  )

@@ -15,6 +15,8 @@ PUBLIC = (
   "fp8_max",
   "paged_attention",
   "paged_attention_reference",
+  "paged_prefill_attention",
+  "paged_prefill_attention_reference",
   "quantize_fp8_blockwise",
   "quantize_fp8_per_token_group",
   "saturating_cast",
@@ -57,7 +59,7 @@ def test_documented_signatures():
 
 
 _MODULES = ("__init__", "_common", "_fp8_matmul", "_fp8_quant", "_paged_attention",
-            "_paged_attention_tpu", "_kv_write")  # fmt: skip
+            "_paged_attention_tpu", "_paged_prefill_attention", "_kv_write")  # fmt: skip
 
 
 @pytest.mark.parametrize("module", _MODULES)
