@@ -85,6 +85,25 @@ def check_real_array(x: Any, name: str) -> None:
     raise ValueError(f"`{name}` must hold real numbers (bool, int or float), got {what}.")
 
 
+def check_float_array(x: Any, name: str) -> None:
+  """Raises ValueError unless `x` is an array (or nested list) of floating values.
+
+  For data that is a real quantity (log-probabilities, advantages, weights):
+  an integer or bool array there is a caller bug, and differentiating a loss
+  with respect to it would fail only later, inside `jax.grad`.
+  """
+  check_real_array(x, name)
+  dtype = _dtype(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"`{name}` must be a floating array (e.g. float32 or bfloat16), got dtype {dtype}."
+    )
+
+
+# `check_token_arrays` names of floating data (besides every name ending in "logp").
+FLOAT_DATA_NAMES = ("advantages", "is_weights", "entropy")
+
+
 def check_mask_values(mask: Any, name: str) -> None:
   """Raises ValueError unless concrete `mask` holds only 0/1 (or bool) values.
 
@@ -113,13 +132,17 @@ def check_token_arrays(*, optional: Iterable[str] = (), **arrays: Any) -> None:
 
   The first keyword is the reference the others are compared to. An array may
   be None only if its name is in `optional`. Arrays whose name ends in "mask"
-  must also hold only 0/1 (or bool) values when concrete.
+  must also hold only 0/1 (or bool) values when concrete; log-probabilities
+  (names ending in "logp") and `FLOAT_DATA_NAMES` must be floating.
   """
   optional = set(optional)
   for name, x in arrays.items():
     if x is None and name in optional:
       continue
-    check_real_array(x, name)
+    if name.endswith("logp") or name in FLOAT_DATA_NAMES:
+      check_float_array(x, name)
+    else:
+      check_real_array(x, name)
   items = [(k, v) for k, v in arrays.items() if v is not None]
   if not items:
     return

@@ -12,6 +12,7 @@ name to its shard in `weight_map`). Every unreadable or inconsistent file is an
 error naming that file.
 """
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -177,6 +178,7 @@ def load_hf_checkpoint(
   *,
   dtype: Any = None,
   compute_dtype: Any = None,
+  remat: bool = False,
   shardings: Any = None,
 ) -> tuple[ModelConfig, Params]:
   """Loads a Qwen2 / Qwen3 / Llama HF checkpoint directory.
@@ -186,6 +188,8 @@ def load_hf_checkpoint(
     dtype: parameter dtype to convert to; default: the checkpoint's dtype
       (config.json `dtype` / `torch_dtype`, float32 when absent).
     compute_dtype: activation dtype; default: the parameter dtype.
+    remat: the config's `remat` (rematerialise each decoder block in the
+      backward pass; not an HF field).
     shardings: optional pytree of `jax.sharding.Sharding` with the params'
       structure (e.g. from `partition_rules`); each array is placed directly.
 
@@ -211,6 +215,9 @@ def load_hf_checkpoint(
     config = ModelConfig.from_hf_config(hf_config, param_dtype=dtype, compute_dtype=compute_dtype)
   except ValueError as e:
     raise ValueError(f"{config_file}: {e}") from e
+  if not isinstance(remat, bool):
+    raise ValueError(f"`remat` must be a bool, got {remat!r}.")
+  config = dataclasses.replace(config, remat=remat)
   np_dtype = np.dtype(getattr(ml_dtypes, config.param_dtype, config.param_dtype))
 
   want = hf_tensor_shapes(config)

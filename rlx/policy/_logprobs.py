@@ -86,9 +86,20 @@ def _check_chunk_size(chunk_size: Any) -> int:
 def _token_stats(
   logits: Float[Array, "... V"], targets: Int[Array, "..."]
 ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
-  """(log softmax(logits)[target], entropy of softmax(logits)), float32."""
+  """(log softmax(logits)[target], entropy of softmax(logits)), float32.
+
+  A target outside [0, V) (possible under `jit` only) gives a NaN log-prob,
+  never another token's.
+  """
   lse = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  target_logit = jnp.take_along_axis(
+    logits,
+    targets[..., None],
+    axis=-1,
+    mode="fill",
+    fill_value=jnp.nan,
+    wrap_negative_indices=False,
+  )[..., 0]
   probs = jnp.exp(logits - lse[..., None])
   entropy = lse - jnp.sum(probs * logits, axis=-1)
   return target_logit - lse, entropy

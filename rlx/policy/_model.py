@@ -490,9 +490,13 @@ def embed(params: Params, config: ModelConfig, tokens: Int[Array, "B S"]) -> Arr
     tokens: i32[B, S] token ids in [0, V).
 
   Returns:
-    [B, S, D] activations in `config.compute_dtype`.
+    [B, S, D] activations in `config.compute_dtype`; NaN rows for ids outside
+    [0, V) (only reachable under `jit`, where ids cannot be checked), never
+    another token's row (no wrapping of -1 to V - 1, no clamping).
   """
-  return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(config.compute_dtype)
+  table = params["embed"]["embedding"]
+  rows = table.at[tokens].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
+  return rows.astype(config.compute_dtype)
 
 
 def layer_qkv(

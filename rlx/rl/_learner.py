@@ -219,6 +219,7 @@ class RLStep:
       )
     if np.shape(answer_ids)[0] != n:
       raise ValueError(f"`answer_ids` must have {n} rows, got {np.shape(answer_ids)}.")
+    _check_not_aliased(ref_params, state)
     if self.fp8 is None:
       return self.jitted(
         state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
@@ -236,6 +237,28 @@ class RLStep:
     tokens, lengths = _rollout.pad_prompts([e.prompt_ids for e in examples], self.width)
     ids, alen = self.learner.task.answer_arrays(examples)
     return self(state, ref_params, tokens, lengths, ids, alen, rng)
+
+
+def _check_not_aliased(ref_params: Any, state: Any) -> None:
+  """Raises ValueError naming a leaf of `ref_params` that shares a device buffer with `state`.
+
+  The step donates `state`; a reference policy that IS the state's params
+  (e.g. `ref_params=state.params`) would be read after its buffers were given
+  away (XLA refuses the call with a raw INVALID_ARGUMENT error).
+  """
+
+  def buffers(x):
+    if not isinstance(x, jax.Array) or x.is_deleted():
+      return set()
+    return {(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+
+  donated = set().union(*(buffers(x) for x in jax.tree.leaves(state)))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(ref_params):
+    if buffers(leaf) & donated:
+      raise ValueError(
+        f"`ref_params{jax.tree_util.keystr(path)}` shares its device buffer with `state`, "
+        "which the step donates; pass a copy (e.g. `jax.tree.map(jnp.copy, state.params)`)."
+      )
 
 
 def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:

@@ -18,13 +18,18 @@ marks committed) only once complete, so a run killed mid-save leaves no step
 that the manager lists.
 """
 
+import asyncio
+import contextlib
 import json
 import os
+import re
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -33,6 +38,8 @@ from rlx.train import _state
 
 # Longest part of an underlying (orbax / TensorStore) error quoted in messages.
 _CAUSE_CHARS = 300
+# Longest wait, in seconds, for the reads still running when a restore fails.
+_DRAIN_TIMEOUT_S = 60.0
 
 
 class CheckpointError(RuntimeError):
@@ -203,7 +210,8 @@ class Checkpointer:
     if extra is not None:
       for path, leaf in jax.tree_util.tree_leaves_with_path(extra):
         dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
-        if np.dtype(dtype).kind not in "biufc":
+        # jnp.issubdtype knows the ml_dtypes floats (bfloat16 has NumPy kind "V").
+        if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
           raise ValueError(
             f"`extra{jax.tree_util.keystr(path)}` must be a numeric array or number, got "
             f"{type(leaf).__name__}."
@@ -368,7 +376,8 @@ class Checkpointer:
   def _restore_step(self, step: int, target: Any, extra_target: Any) -> Restored:
     """Restores one step; unreadable files raise CheckpointError naming it."""
     try:
-      metadata = self._manager.item_metadata(step)
+      with _draining_event_loops():
+        metadata = self._manager.item_metadata(step)
       items = set(metadata.keys())
       saved_state = metadata["state"]
     except Exception as e:
@@ -388,7 +397,8 @@ class Checkpointer:
         _check_matches(metadata["extra"], extra_abstract, step, self.directory, "extra_target")
       args["extra"] = ocp.args.StandardRestore(extra_target)
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+      with _draining_event_loops():
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
       cursor = restored["cursor"]["data_cursor"]
       saved_extra = restored["cursor"].get("has_extra", has_extra)
     except Exception as e:
@@ -408,10 +418,53 @@ class Checkpointer:
     self._broken.add(step)
     return CheckpointError(
       f"Checkpoint step {step} in {self.directory} cannot be read (truncated or corrupt "
-      f"files?): {_cause(error)}",
+      f"files?): {_cause(error)}.",
       step=step,
       directory=self.directory,
     )
+
+
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+  """An event loop that, when closed, first lets the tasks still on it finish.
+
+  Orbax reads the arrays of a restore as concurrent TensorStore reads on a
+  fresh loop and closes that loop as soon as one read fails; the other reads
+  then complete on a closed loop and each prints an "Event loop is closed"
+  traceback. Draining them first (their results and errors are dropped)
+  makes a failed restore end quietly, with every read finished.
+  """
+
+  def close(self) -> None:
+    if not self.is_running() and not self.is_closed():
+      pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+      if pending:
+        done, late = self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_TIMEOUT_S))
+        for task in late:
+          task.cancel()
+        for task in done:
+          if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" log
+    super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    return _DrainingEventLoop()
+
+
+_POLICY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _draining_event_loops() -> Iterator[None]:
+  """New event loops drain their tasks on close while inside (the policy is restored after)."""
+  with _POLICY_LOCK:
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy())
+    try:
+      yield
+    finally:
+      asyncio.set_event_loop_policy(previous)
 
 
 def _as_abstract(x: Any) -> Any:
@@ -465,10 +518,26 @@ def _check_matches(saved: Any, abstract: Any, step: int, directory: Any, name: s
     )
 
 
-def _cause(error: Exception) -> str:
-  """`Type: first line of the message`, shortened (no TensorStore spec dumps)."""
-  text = str(error).strip().splitlines()
-  first = text[0] if text else ""
-  if len(first) > _CAUSE_CHARS:
-    first = first[:_CAUSE_CHARS] + "..."
-  return f"{type(error).__name__}: {first}"
+def _cause(error: BaseException) -> str:
+  """The root cause of `error`: `[array `name`: ]Type: first line`, shortened.
+
+  Orbax wraps a failed TensorStore read in a generic "Encountered error while
+  reading array index ..." exception; the innermost error of the chain is the
+  one that names the array (its TensorStore key) and what was wrong with the
+  file. Spec dumps and the (already reported) local file paths are dropped.
+  """
+  seen = {id(error)}
+  while True:
+    inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if inner is None or id(inner) in seen:
+      break
+    seen.add(id(inner))
+    error = inner
+  lines = str(error).strip().splitlines()
+  text = re.sub(r"\s*\[tensorstore_spec=.*$", "", lines[0] if lines else "")
+  text = re.sub(r' (in OCDBT database at|of) local file "[^"]*"', "", text)
+  if len(text) > _CAUSE_CHARS:
+    text = text[: _CAUSE_CHARS // 2] + " ... " + text[-_CAUSE_CHARS // 2 :]
+  array = re.search(r'Error reading "([^"/]+)/', text)
+  where = f"array `{array.group(1)}`: " if array else ""
+  return f"{where}{type(error).__name__}: {text}"

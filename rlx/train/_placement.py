@@ -133,10 +133,26 @@ def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
   input that already has the sharding is copied, not returned).
   """
   if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
-    return jax.device_put(x, sharding, may_alias=False if copy else None)
+    out = jax.device_put(x, sharding, may_alias=False if copy else None)
+    if copy and shares_buffer(out, x):
+      # `may_alias=False` is not honoured for every resharding: placing a
+      # one-device array replicated on a mesh reuses its buffer for that
+      # device's replica. `out` now has `sharding`, so a jitted copy applies.
+      out = jax.jit(jnp.copy, out_shardings=sharding)(out)
+    return out
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     # Already global: reshard under jit (no host round trip); jnp.copy keeps
     # jit from forwarding the input buffer when the sharding is unchanged.
     return jax.jit(jnp.copy if copy else (lambda y: y), out_shardings=sharding)(x)
   host = np.asarray(x)
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shares_buffer(a: Any, b: Any) -> bool:
+  """Whether two `jax.Array`s have a device buffer in common (False for non-arrays)."""
+  if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)):
+    return False
+  if a.is_deleted() or b.is_deleted():
+    return False
+  buffers = {(s.device, s.data.unsafe_buffer_pointer()) for s in a.addressable_shards}
+  return any((s.device, s.data.unsafe_buffer_pointer()) in buffers for s in b.addressable_shards)

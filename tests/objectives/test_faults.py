@@ -296,6 +296,44 @@ def test_data_arrays_must_be_real(name):
     fn(np.full((2, 3), "a"))
 
 
+FLOAT_INPUTS = [
+  (name, arg)
+  for name, spec in sorted(obj.POLICY_LOSS_SPECS.items())
+  if name in obj.POLICY_LOSSES
+  for arg in ("logp", "old_logp", "advantages", "is_weights", *spec.extra_inputs)
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+@pytest.mark.parametrize("name, arg", FLOAT_INPUTS)
+def test_loss_data_must_be_floating(name, arg, dtype):
+  """An integer log-prob is a caller bug, named on entry instead of failing inside `jax.grad`."""
+  spec = obj.get_policy_loss_spec(name)
+  data = dict(logp=X, old_logp=X, advantages=X, is_weights=M, **{k: X for k in spec.extra_inputs})
+  data[arg] = jnp.zeros((2, 3), dtype)
+  logp, old_logp, advantages = data.pop("logp"), data.pop("old_logp"), data.pop("advantages")
+  match = rf"`{arg}` must be a floating array .*got dtype {jnp.dtype(dtype)}"
+  with pytest.raises(ValueError, match=match):
+    spec.fn(logp, old_logp, advantages, M, **data)
+  with pytest.raises(ValueError, match=match):  # traced too: the dtype is static
+    jax.jit(lambda *a: spec.fn(*a, M, **data))(logp, old_logp, advantages)
+
+
+@pytest.mark.parametrize(
+  "call, arg",
+  [
+    (lambda: obj.kl_penalty(X, jnp.zeros((2, 3), jnp.int32), "k3"), "ref_logp"),
+    (lambda: obj.rollout_correction(X, np.zeros((2, 3), np.int64), M), "rollout_logp"),
+    (lambda: obj.token_importance_weights([[0, 0, 0], [0, 0, 0]], X, M), "target_logp"),
+    (lambda: obj.rollout_mismatch_kl(jnp.zeros((2, 3), jnp.int8), X, M), "old_logp"),
+    (lambda: obj.token_log_ratio(X, jnp.zeros((2, 3), jnp.int32), M), "old_logp"),
+  ],
+)
+def test_log_probabilities_must_be_floating_elsewhere(call, arg):
+  with pytest.raises(ValueError, match=rf"`{arg}` must be a floating array"):
+    call()
+
+
 @pytest.mark.parametrize(
   "call, arg",
   [

@@ -117,6 +117,29 @@ def test_errors(model):
     policy.logprobs_from_logits(jnp.zeros((3, 11, 50)), tokens.at[0, 0].set(60), mask)
 
 
+@pytest.mark.parametrize("bad_id", [-1, -97, 97, 200])
+def test_out_of_range_ids_under_jit_give_nan_not_another_token(model, bad_id):
+  """Traced ids cannot be checked: -1 must not read as V - 1 (nor V + k be clamped)."""
+  config, params = model
+  tokens, mask = _batch()
+  bad = tokens.at[1, 4].set(bad_id)
+  forward = jax.jit(policy.forward, static_argnums=1)
+  clean_logits, logits = np.asarray(forward(params, config, tokens)), forward(params, config, bad)
+  logits = np.asarray(logits)
+  # The bad position and every later one attending to it (earlier ones may be NaN too:
+  # masked attention weights are 0 and 0 * NaN = NaN); the other rows are untouched.
+  assert np.isnan(logits[1, 4:]).all()
+  np.testing.assert_array_equal(logits[[0, 2]], clean_logits[[0, 2]])
+  for fn in (_chunked, _naive):
+    clean_logp, _ = fn(params, config, tokens, mask)
+    logp, _ = fn(params, config, bad, mask)
+    logp, clean_logp = np.asarray(logp), np.asarray(clean_logp)
+    assert np.isnan(logp[1, 4]), "the log-prob OF the bad id"
+    assert np.isnan(logp[1, 5:7]).all(), "the log-probs after it"
+    np.testing.assert_array_equal(logp[1, 7:], 0.0)  # masked out
+    np.testing.assert_array_equal(logp[[0, 2]], clean_logp[[0, 2]])
+
+
 def _scale_kernels(tree, factor):
   return jax.tree_util.tree_map_with_path(
     lambda path, x: x * factor if path[-1].key == "kernel" else x, tree

@@ -167,6 +167,10 @@ def test_rl_step_bad_inputs():
     rl_step(state, None, tokens, lengths[:1], ids, alen, jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match="max_prompt_len"):
     rl_step(state, None, tokens[:, :-1], lengths, ids, alen, jax.random.PRNGKey(0))
+  # The step donates `state`: its own params cannot be the reference policy.
+  with pytest.raises(ValueError, match=r"`ref_params\['embed'\]\['embedding'\]` shares its"):
+    rl_step(state, state.params, tokens, lengths, ids, alen, jax.random.PRNGKey(0))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # nothing ran
   host_config = rl_test_utils.tiny_config(**{"task.name": TASK, "rl.reward": "host"})
   host_learner = rl.Learner(host_config, task, model_config, mesh, compute_logprobs=logprobs)
   with pytest.raises(ValueError, match="needs a JAX reward"):

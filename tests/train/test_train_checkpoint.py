@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,18 @@ def test_async_save_keep_last_n_and_donation(tmp_path):
       empty.restore(target)
 
 
+def test_extra_holds_bfloat16_arrays(tmp_path):
+  """E.g. the best params of a bfloat16 model, kept as host arrays."""
+  m, cfg, _, _ = tl.fns("single")
+  best = np.arange(6, dtype=np.float32).reshape(2, 3).astype(jax.numpy.bfloat16)
+  with train.Checkpointer(tmp_path) as ckpt:
+    assert ckpt.save(1, tl.init_state(m, cfg), extra={"best": best})
+  with train.Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(train.abstract_train_state(tl.model_config(), cfg, m))
+  assert restored.extra["best"].dtype == best.dtype
+  np.testing.assert_array_equal(restored.extra["best"], best)
+
+
 def _damage(step_dir, how: str) -> None:
   """Corrupts a saved step's state item: truncated array files, or garbage everywhere."""
   files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
@@ -155,6 +168,28 @@ def test_unreadable_newest_step_falls_back_and_is_replaced(tmp_path, how):
       assert ckpt.save(2, state, data_cursor="again")
   with train.Checkpointer(tmp_path) as ckpt:
     assert ckpt.restore(target).data_cursor == "again"
+
+
+def test_a_broken_step_warns_with_the_array_and_without_asyncio_noise(tmp_path):
+  """Orbax reads arrays concurrently: the reads still running when one fails are drained."""
+  proc = subprocess.run(
+    [sys.executable, os.path.join(HERE, "broken_restore_worker.py"), str(tmp_path)],
+    env=_worker_env(),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = proc.stdout.splitlines()
+  assert lines.count("restored 1") == 6, proc.stdout
+  unreadable = [line for line in lines if "cannot be read (truncated" in line]
+  assert len(unreadable) == 6, proc.stdout
+  for message in unreadable:
+    # The innermost error: the array's path and what is wrong with its file.
+    assert re.search(r"array `(params|opt_state)\.[\w.]+`: ValueError: OUT_OF_RANGE", message)
+    assert "Requested byte range" in message and "local file" not in message
+    assert "Encountered error while reading" not in message and "tensorstore_spec" not in message
+  assert "Event loop is closed" not in proc.stderr, proc.stderr[-4000:]
 
 
 def test_retention_keeps_good_steps_over_broken_ones(tmp_path):

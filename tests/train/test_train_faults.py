@@ -6,7 +6,7 @@ import pytest
 import train_testlib as tl
 
 from rlx import policy, train
-from rlx.train import _batch
+from rlx.train import _batch, _placement
 
 
 def _good_batch(m, state, logprobs):
@@ -31,6 +31,22 @@ def test_token_ids_out_of_range_are_rejected_before_dispatch(bad_id, on_device):
   # Nothing ran: the state was not donated and is still usable.
   assert not jax.tree.leaves(state.params)[0].is_deleted()
   assert int(state.step) == 0
+
+
+@pytest.mark.parametrize("bad_id", [-1, tl.VOCAB])
+def test_token_ids_out_of_range_inside_a_traced_step_never_train_on_another_token(bad_id):
+  """The pure step has no host checks: a bad id gives a NaN loss, so the update is skipped."""
+  m, cfg, step_fn, logprobs = tl.fns("single")
+  state = tl.init_state(m, cfg)
+  batch = {k: np.array(v) for k, v in _good_batch(m, state, logprobs).items()}
+  row, col = 3, int(np.argmax(batch["loss_mask"][3]))  # a response token
+  batch["tokens"][row, col] = bad_id
+  new_state, metrics = jax.jit(step_fn.step_fn)(state, train.shard_batch(batch, m))
+  metrics = train.to_host(metrics)
+  assert not np.isfinite(metrics["loss"])
+  assert metrics["skipped"] == 1
+  for got, want in zip(tl.host_params(new_state), tl.host_params(state), strict=True):
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("bad_value", [0.5, 2.0, -1.0])
@@ -68,24 +84,35 @@ def test_zero_size_batches_name_the_argument(shape):
     train.shard_batch(batch, m)
 
 
-def test_state_owns_its_buffers_so_the_reference_params_survive_donation():
-  """The KL-reference workflow: log-probs from the original params after donating steps."""
-  m, cfg, step_fn, logprobs = tl.fns("single")
+@pytest.mark.parametrize("layout", ["single", "data2", "data8"])
+@pytest.mark.parametrize("kind", ["host", "device", "shard_params"])
+def test_state_owns_its_buffers_so_the_reference_params_survive_donation(layout, kind):
+  """The KL-reference workflow: log-probs from the original params after donating steps.
+
+  On a mesh of several devices, placing one-device params replicated used to
+  reuse their buffer for the first replica, so the donating step deleted them.
+  """
+  m, cfg, step_fn, logprobs = tl.fns(layout)
   mc = tl.model_config()
-  for params in (
-    policy.init_params(mc, jax.random.PRNGKey(0)),  # on the default device
-    train.shard_params(policy.init_params(mc, jax.random.PRNGKey(0)), mc, m),  # already placed
-  ):
-    state = train.create_train_state(params, mc, cfg, m, rng=jax.random.PRNGKey(1))
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
-      assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
-    ref = train.shard_params(params, mc, m)
-    for i in range(2):
-      batch = tl.prepare(tl.make_batch(i), m, state, logprobs, ref_params=ref)
-      state, _ = step_fn(state, batch)  # donates `state`
-    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
-    want = np.asarray(logprobs(params, batch))
-    np.testing.assert_array_equal(np.asarray(batch["ref_logp"]), want)
+  params = policy.init_params(mc, jax.random.PRNGKey(0))  # on the default device
+  if kind == "host":
+    params = jax.tree.map(np.array, params)
+  elif kind == "shard_params":
+    params = train.shard_params(params, mc, m)  # already placed
+  before = [np.array(x) for x in jax.tree.leaves(params)]
+  state = train.create_train_state(params, mc, cfg, m, rng=jax.random.PRNGKey(1))
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
+    assert not _placement.shares_buffer(a, b)
+  ref = train.shard_params(params, mc, m)
+  for i in range(2):
+    batch = tl.prepare(tl.make_batch(i), m, state, logprobs, ref_params=ref)
+    state, _ = step_fn(state, batch)  # donates `state`
+  leaves = jax.tree.leaves(params)
+  assert not any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves)
+  for got, want in zip(leaves, before, strict=True):
+    np.testing.assert_array_equal(np.asarray(got), want)
+  want = np.asarray(logprobs(params, batch))
+  np.testing.assert_array_equal(np.asarray(batch["ref_logp"]), want)
 
 
 def test_params_or_state_of_another_model_config_are_rejected():
