@@ -35,6 +35,8 @@ _OUT = flags.DEFINE_string("out", "", "Also write the markdown table to this fil
 
 
 def _grid(config, share, root):
+  """Runs the grid; returns (rows, seconds, mean 1-minute load average while it ran)."""
+  loads = [os.getloadavg()[0]]
   t0 = time.perf_counter()
   rows = rl.run_sweep(
     config,
@@ -42,9 +44,12 @@ def _grid(config, share, root):
     [int(s) for s in _SEEDS.value],
     root,
     share_warmup=share,
-    report=lambda r: print(("shared   " if share else "unshared ") + rl.format_sweep_row(r)),
+    report=lambda r: (
+      loads.append(os.getloadavg()[0]),
+      print(("shared   " if share else "unshared ") + rl.format_sweep_row(r), flush=True),
+    ),
   )
-  return rows, time.perf_counter() - t0
+  return rows, time.perf_counter() - t0, sum(loads) / len(loads)
 
 
 def main(argv):
@@ -58,8 +63,8 @@ def main(argv):
   config.log.plots = False
   root = tempfile.mkdtemp(prefix="rlx_bench_sweep_")
   try:
-    unshared, t_unshared = _grid(config, False, os.path.join(root, "unshared"))
-    shared, t_shared = _grid(config, True, os.path.join(root, "shared"))
+    unshared, t_unshared, load_unshared = _grid(config, False, os.path.join(root, "unshared"))
+    shared, t_shared, load_shared = _grid(config, True, os.path.join(root, "shared"))
   finally:
     shutil.rmtree(root, ignore_errors=True)
   same = all(
@@ -74,12 +79,15 @@ def main(argv):
     f"{os.path.relpath(flags.FLAGS['config'].config_filename)}, rl.iterations = "
     f"{config.rl.iterations}; warm-up steps per seed {sorted(set(warm))}.",
     "",
-    "| grid | runs | warm-ups trained | wall-clock (s) | s / run | ratio |",
-    "|---|---|---|---|---|---|",
+    "| grid | runs | warm-ups trained | wall-clock (s) | s / run | speed-up | load avg |",
+    "|---|---|---|---|---|---|---|",
     f"| every run trains its warm-up | {n} | {n} | {t_unshared:.0f} | {t_unshared / n:.1f} | "
-    "1.00x |",
+    f"1.00x | {load_unshared:.1f} |",
     f"| runs of a seed share one (default) | {n} | {n - reused} | {t_shared:.0f} | "
-    f"{t_shared / n:.1f} | {t_unshared / t_shared:.2f}x |",
+    f"{t_shared / n:.1f} | {t_unshared / t_shared:.2f}x | {load_shared:.1f} |",
+    "",
+    f"load avg: the machine's mean 1-minute load average while the grid ran ({os.cpu_count()} "
+    "cores; above the core count other work shared the machine).",
     "",
     f"Same results in both grids (test accuracy before and after, every run): {same}.",
     "",
