@@ -304,6 +304,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.checkpoint.every < 1:
     raise ValueError(f"`config.checkpoint.every` must be >= 1, got {config.checkpoint.every!r}.")
   _check_task_kwargs(config)
+  check_loss_kwarg_types(config)
   train_cfg = train_config(config)
   try:
     train.validate_config(train_cfg)
@@ -388,6 +389,8 @@ def _import(entry: str) -> Any:
     if getattr(module, "__file__", None) == path:
       return module
   name = "rlx_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+  if os.path.dirname(path) not in sys.path:  # as for a script: its siblings import
+    sys.path.insert(0, os.path.dirname(path))
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[name] = module
@@ -433,6 +436,55 @@ def _check_section(config: Any, defaults: ml_collections.ConfigDict, prefix: str
       raise ValueError(f"`config.{prefix + key}` is missing (build configs from get_config()).")
 
 
+def check_loss_kwarg_types(config: ml_collections.ConfigDict) -> None:
+  """Each `train.loss_kwargs` value has the kind of its keyword's default in the loss.
+
+  A keyword whose default is a number takes a real number (not a bool or a
+  str), one whose default is a bool takes a bool, one whose default is a str
+  takes a str; a default of None accepts anything (the loss checks it). So a
+  command-line typo such as `--config.train.loss_kwargs.clip=abc` is named
+  here, not deep inside the first compiled step.
+
+  Raises:
+    ValueError: naming the keyword, its value and the expected kind.
+  """
+  if config.train.loss not in objectives.POLICY_LOSS_SPECS:
+    return  # named by validate_config
+  fn = objectives.get_policy_loss_spec(config.train.loss).fn
+  params = inspect.signature(fn).parameters
+  for key, value in _plain(config.train.loss_kwargs).items():
+    if key not in params:
+      continue  # an unknown keyword: named by the train config's check
+    default = params[key].default
+    if default is None or default is inspect.Parameter.empty:
+      continue
+    if isinstance(default, bool):
+      ok, kind = isinstance(value, bool), "a bool"
+    elif isinstance(default, int | float):
+      ok = isinstance(value, int | float) and not isinstance(value, bool)
+      kind = "a real number"
+    elif isinstance(default, str):
+      ok, kind = isinstance(value, str), "a str"
+    else:
+      continue
+    if not ok:
+      raise ValueError(
+        f"`config.train.loss_kwargs.{key}` must be {kind} (the default of {fn.__name__}'s "
+        f"`{key}` is {default!r}), got {value!r}."
+      )
+
+
+def loss_kwargs_with_defaults(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """`train.loss_kwargs` with the loss's own defaults filled in (what the loss is called with)."""
+  out = {}
+  if config.train.loss in objectives.POLICY_LOSS_SPECS:
+    spec = objectives.get_policy_loss_spec(config.train.loss)
+    params = inspect.signature(spec.fn).parameters
+    out = {k: params[k].default for k in spec.hyperparameters()}
+  out.update(_plain(config.train.loss_kwargs))
+  return out
+
+
 def _check_task_kwargs(config: ml_collections.ConfigDict) -> None:
   """The task's keyword arguments against its registered factory's signature."""
   name = config.task.name
@@ -455,10 +507,10 @@ def _check_task_kwargs(config: ml_collections.ConfigDict) -> None:
   )
   unknown = sorted(set(task_kwargs(config)) - set(allowed))
   if unknown:
-    raise ValueError(
-      f"`config.task.kwargs` / `config.task.{name}` have unknown keywords {unknown}; task "
-      f"{name!r} takes {allowed}."
-    )
+    where = "`config.task.kwargs`"
+    if name in config.task and name not in ("name", "kwargs"):
+      where += f" / `config.task.{name}`"
+    raise ValueError(f"{where} have unknown keywords {unknown}; task {name!r} takes {allowed}.")
 
 
 def kv_dtype(config: ml_collections.ConfigDict) -> str:

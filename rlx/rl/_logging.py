@@ -118,7 +118,9 @@ class MetricsLog:
 
       self._tb = tensorboardX.SummaryWriter(
         os.path.join(workdir, "tensorboard", tensorboard_subdir),
-        purge_step=resume_iteration + 1 if resume_iteration else None,
+        # Events past the resumed iteration (a killed process's) are dropped;
+        # a warm-up that (re)starts drops all of its earlier ones.
+        purge_step=0 if resume_iteration is None else resume_iteration + 1,
       )
 
   def write(self, record: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlx import policy, train
+from rlx import objectives, policy, train
 from rlx.rl import _config, _data, _evaluate, _learner, _logging, _rollout, _warmstart
 
 SUPERVISED_NOTE = (
@@ -112,9 +112,32 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _compared(config_dict: dict) -> dict[str, Any]:
-  """The flattened config fields that define what a run computes (`NOT_COMPARED` left out)."""
-  flat = _flat(json.loads(json.dumps(config_dict, default=str)))
+  """The flattened config fields that define what a run computes (`NOT_COMPARED` left out).
+
+  The loss's keywords count with their defaults filled in, so setting one to
+  its default is the same run.
+  """
+  config_dict = json.loads(json.dumps(config_dict, default=str))
+  train_dict = config_dict.get("train", {})
+  if isinstance(train_dict, dict) and train_dict.get("loss") in objectives.POLICY_LOSS_SPECS:
+    filled = ml_collections.ConfigDict({"train": {"loss": train_dict["loss"], "loss_kwargs": {}}})
+    filled.train.loss_kwargs.update(train_dict.get("loss_kwargs") or {})
+    train_dict["loss_kwargs"] = json.loads(
+      json.dumps(_config.loss_kwargs_with_defaults(filled), default=str)
+    )
+  flat = _flat(config_dict)
   return {k: v for k, v in flat.items() if not k.startswith(_config.NOT_COMPARED)}
+
+
+def _holds_a_run(workdir: str) -> bool:
+  """Whether anything of a run was saved in `workdir` (a warm-up, an RL checkpoint, a summary)."""
+  if os.path.exists(os.path.join(workdir, "summary.json")):
+    return True
+  for sub in ("warmup", "checkpoints"):
+    path = os.path.join(workdir, sub)
+    if os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path)):
+      return True
+  return False
 
 
 def _check_workdir(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
@@ -137,7 +160,8 @@ def _check_workdir(config: ml_collections.ConfigDict, workdir: str) -> dict[str,
       saved = value if name == "config.json" else value.get("config")
       if saved is not None:
         break
-  if saved is None:
+  if saved is None or not _holds_a_run(workdir):
+    # Nothing was saved yet (or a start failed before anything was): this config's workdir.
     _write_json(os.path.join(workdir, "config.json"), current)
     return None
   now, before = _compared(current), _compared(saved)
@@ -181,6 +205,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   finished = _check_workdir(config, workdir)
   if finished is not None:
+    _logging.note(f"rlx: {workdir} holds this run, finished: returning its saved summary.")
     if config.log.print_summary:
       print(format_summary(finished))
     return finished
@@ -492,7 +517,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     "resumed_from_iteration": start if latest is not None else None,
     "plots": plots,
     "workdir": workdir,
-    "note": SUPERVISED_NOTE,
+    "note": SUPERVISED_NOTE if task.name == "arithmetic" else None,
+    # Optimizer updates skipped for a non-finite loss or gradient (train.nonfinite).
+    "skipped_updates": int(rl_records[-1].get("skipped_total") or 0) if rl_records else 0,
     "config": config.to_dict(),
   }
   this_process = time.perf_counter() - wall_start
@@ -504,7 +531,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   log.scalar("test/accuracy", accuracy_before, 0)
   log.scalar("test/accuracy", accuracy_after, int(cursor["iteration"]))
   log.hparams(
-    _compared(config.to_dict()),
+    {  # every field but the display settings, where user code and the warm-up came from too
+      k: v
+      for k, v in _flat(json.loads(json.dumps(config.to_dict(), default=str))).items()
+      if not k.startswith("log.")
+    },
     {k: summary[k] for k in ("accuracy_before", "accuracy_after", "improvement_points")},
   )
   log.close()
@@ -512,6 +543,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if config.log.print_summary:
     print(format_summary(summary))
   return summary
+
+
+def _fmt(value: Any) -> str:
+  return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -526,7 +561,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     ),
     (
       "warm-up steps (dev accuracy reached)",
-      f"{summary['warmup_steps']} ({summary['warmup_dev_accuracy']})",
+      f"{summary['warmup_steps']} ({_fmt(summary['warmup_dev_accuracy'])})",
     ),
     ("RL iterations", f"{summary['iterations']}"),
     ("seconds / RL iteration", f"{summary['seconds_per_iteration']:.3f}"),
@@ -545,5 +580,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     f"metrics:  {os.path.join(summary['workdir'], 'metrics.jsonl')} (TensorBoard: tensorboard/)"
   )
   lines.append(f"summary:  {os.path.join(summary['workdir'], 'summary.json')}")
-  lines.append(SUPERVISED_NOTE)
+  if summary.get("skipped_updates"):
+    lines.append(
+      f"Warning: {summary['skipped_updates']} optimizer updates were skipped for a non-finite "
+      "loss or gradient (metric skipped_total)."
+    )
+  if summary["task"] == "arithmetic":
+    lines.append(SUPERVISED_NOTE)
   return "\n".join(lines)

@@ -129,38 +129,44 @@ def run_sweep(
   """
   if not seeds:
     raise ValueError("`seeds` is empty.")
-  points = grid_points(grid)
-  total = len(points) * len(seeds)
-  warmups: dict[str, str] = {}  # warm-up key -> workdir of a run holding that warm-up
-  rows = []
-  for point in points:
+  runs = []
+  for point in grid_points(grid):
     for seed in seeds:
       config = copy.deepcopy(base)
       for key, value in point.items():
         _set(config, key, value)
       config.seed = int(seed)
-      run_dir = os.path.join(workdir, point_name(point).replace("/", "_"), f"seed_{seed}")
-      key = None
-      if share_warmup and config.warmup.enabled and not config.warmup.init_from:
-        key = json.dumps(_warmstart.warmup_key(config), sort_keys=True)
-        if key in warmups and warmups[key] != run_dir:
-          config.warmup.init_from = warmups[key]
-      t0 = time.perf_counter()
-      summary = _run.run(config, run_dir)
-      if key is not None:
-        warmups.setdefault(key, run_dir)
-      row = {
-        "point": point_name(point),
-        "seed": int(seed),
-        "workdir": run_dir,
-        **{k: summary.get(k) for k in ROW_KEYS},
-        "seconds": time.perf_counter() - t0,
-        "index": len(rows) + 1,
-        "total": total,
-      }
-      rows.append(row)
-      if report is not None:
-        report(row)
+      try:  # every point is checked before the first run starts
+        _config.validate_config(config)
+      except ValueError as e:
+        raise ValueError(f"Grid point {point_name(point)} (seed {seed}): {e}") from None
+      runs.append((point, seed, config))
+  total = len(runs)
+  warmups: dict[str, str] = {}  # warm-up key -> workdir of a run holding that warm-up
+  rows = []
+  for point, seed, config in runs:
+    run_dir = os.path.join(workdir, point_name(point).replace("/", "_"), f"seed_{seed}")
+    key = None
+    if share_warmup and config.warmup.enabled and not config.warmup.init_from:
+      key = json.dumps(_warmstart.warmup_key(config), sort_keys=True)
+      if key in warmups and warmups[key] != run_dir:
+        config.warmup.init_from = warmups[key]
+    t0 = time.perf_counter()
+    summary = _run.run(config, run_dir)
+    if key is not None:
+      warmups.setdefault(key, run_dir)
+    row = {
+      "point": point_name(point),
+      "seed": int(seed),
+      "workdir": run_dir,
+      **{k: summary.get(k) for k in ROW_KEYS},
+      "seconds": time.perf_counter() - t0,
+      "index": len(rows) + 1,
+      "total": total,
+    }
+    rows.append(row)
+    if report is not None:
+      report(row)
   return rows
 
 

@@ -151,7 +151,9 @@ def test_a_workdir_keeps_its_record(straight, tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("error", UserWarning)
     # The same config (log settings aside): the finished run's summary, nothing recomputed.
-    again = rl.run(rl_test_utils.run_config(**{"log.plots": False}), copy)
+    # A loss keyword set to its default is the same run too.
+    same = rl_test_utils.run_config(**{"log.plots": False, "train.loss_kwargs.clip_low": 0.2})
+    again = rl.run(same, copy)
   with open(os.path.join(copy, "summary.json")) as f:
     assert f.read() == before
   assert again == json.loads(before)

@@ -187,3 +187,56 @@ def test_warmup_key_and_init_from_errors(tmp_path):
   config = rl_test_utils.tiny_config(**{"warmup.init_from": str(tmp_path / "nowhere")})
   with pytest.raises(ValueError, match=r"`config.warmup.init_from`=.*nowhere' holds no warm-up"):
     rl.run(config, str(tmp_path / "run"))
+
+
+def test_a_failed_start_does_not_lock_the_workdir(tmp_path):
+  workdir = str(tmp_path / "run")
+  first = rl_test_utils.tiny_config(**{"warmup.init_from": str(tmp_path / "nowhere")})
+  with pytest.raises(ValueError, match="holds no warm-up"):
+    rl.run(first, workdir)
+  # Nothing was saved, so a corrected config may use the same workdir (it fails later here
+  # for the same kind of reason, not because the workdir holds another run).
+  second = rl_test_utils.tiny_config(
+    **{"warmup.init_from": str(tmp_path / "elsewhere"), "rl.temperature": 0.7}
+  )
+  with pytest.raises(ValueError, match="elsewhere' holds no warm-up"):
+    rl.run(second, workdir)
+
+
+def test_loss_kwargs_of_the_wrong_kind_are_named():
+  config = rl.get_config()
+  config.train.loss_kwargs.clip_low = "abc"
+  with pytest.raises(
+    ValueError, match=r"`config.train.loss_kwargs.clip_low` must be a real number .*got 'abc'"
+  ):
+    rl.validate_config(config)
+  config = rl.get_config()
+  config.train.loss_kwargs.clip_low = True
+  with pytest.raises(ValueError, match="must be a real number"):
+    rl.validate_config(config)
+  config = rl.get_config()
+  config.train.loss_kwargs.clip_low = 0.1
+  config.train.loss_kwargs.dual_clip = 3  # default None: the loss checks it
+  rl.validate_config(config)
+
+
+def test_a_sweep_checks_every_point_before_running(tmp_path):
+  base = rl_test_utils.tiny_config()
+  with pytest.raises(ValueError, match=r"Grid point loss=nope \(seed 0\): `config.train.loss`"):
+    rl.run_sweep(base, {"train.loss": ["ppo", "nope"]}, [0], str(tmp_path))
+  assert not os.listdir(tmp_path)  # nothing ran
+
+
+def test_an_imported_file_can_import_its_siblings(tmp_path, monkeypatch):
+  (tmp_path / "helpers_sibling.py").write_text("VALUE = 7\n")
+  (tmp_path / "uses_sibling.py").write_text(
+    "import helpers_sibling\nVALUE = helpers_sibling.VALUE\n"
+  )
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  config = rl.get_config()
+  config.imports = "uses_sibling.py"
+  (module,) = rl.import_user_code(config)
+  assert module.VALUE == 7
+  sys.modules.pop(module.__name__)
+  sys.modules.pop("helpers_sibling")

@@ -100,7 +100,7 @@ def test_readme_loss_and_task_from_the_command_line(tmp_path):
   assert summary["task"] == "copy" and summary["loss"] == "my_loss"
   assert summary["config"]["train"]["loss_kwargs"] == {"clip": 0.1}
   assert summary["config"]["task"]["kwargs"] == {}  # the default config's arithmetic kwargs stay
-  assert summary["iterations"] == 2
+  assert summary["iterations"] == 2 and summary["skipped_updates"] == 0
   records = _strict_json_lines(workdir / "metrics.jsonl")
   rl_records = [r for r in records if r.get("phase") == "rl"]
   assert len(rl_records) == 2 and all(math.isfinite(r["loss"]) for r in rl_records)
