@@ -510,7 +510,7 @@ def _check_task_kwargs(config: ml_collections.ConfigDict) -> None:
     where = "`config.task.kwargs`"
     if name in config.task and name not in ("name", "kwargs"):
       where += f" / `config.task.{name}`"
-    raise ValueError(f"{where} have unknown keywords {unknown}; task {name!r} takes {allowed}.")
+    raise ValueError(f"{where}: unknown keywords {unknown}; task {name!r} takes {allowed}.")
 
 
 def kv_dtype(config: ml_collections.ConfigDict) -> str:
