@@ -5,15 +5,7 @@ import math
 
 import jax.numpy as jnp
 
-# kv_dtype name -> page dtype ("auto": the model's compute dtype).
-KV_DTYPES = {
-  "float32": jnp.float32,
-  "bfloat16": jnp.bfloat16,
-  "fp8_e4m3": jnp.float8_e4m3fn,
-  "fp8_e5m2": jnp.float8_e5m2,
-}
-# weight_dtype names: "auto" = the params' own leaves; FP8 = W8A8 decoder linears.
-WEIGHT_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+from rlx._choices import ATTENTION_IMPLS, KV_DTYPES, WEIGHT_DTYPES, check_choice
 
 
 def _positive_int(value, name: str) -> int:
@@ -86,8 +78,7 @@ class SamplerConfig:
       "prefill_chunk",
     ):
       _positive_int(getattr(self, name), name)
-    if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
-      raise ValueError(f"`kv_dtype` must be one of {('auto', *KV_DTYPES)}, got {self.kv_dtype!r}.")
+    check_choice(self.kv_dtype, ("auto", *KV_DTYPES), "kv_dtype")
     if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
       raise ValueError(
         f"`weight_dtype` must be None or one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}."
@@ -114,9 +105,7 @@ class SamplerConfig:
     object.__setattr__(self, "stop_token_ids", stops)
     if not isinstance(self.continuous_batching, bool):
       raise ValueError(f"`continuous_batching` must be a bool, got {self.continuous_batching!r}.")
-    impls = ("auto", "pallas", "pallas_gpu", "pallas_tpu", "xla")
-    if self.attention_impl not in impls:
-      raise ValueError(f"`attention_impl` must be one of {impls}, got {self.attention_impl!r}.")
+    check_choice(self.attention_impl, ATTENTION_IMPLS, "attention_impl")
     need = self.pages_per_sequence
     if self.num_pages < need:
       raise ValueError(

@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx import kernels_pallas, policy
+from rlx._mesh_axes import BATCH_AXES, TENSOR_AXIS
 from rlx.sampling._config import SamplerConfig
 from rlx.sampling._sample import sample_keys, sample_tokens
 
@@ -165,11 +166,9 @@ class Engine:
     self._batch_axes = None
     self._tensor_axis = None
     if mesh is not None:
-      from rlx.train import BATCH_AXES
-
       self._batch_axes = tuple(a for a in BATCH_AXES if a in mesh.shape) or None
-      if "tensor" in mesh.shape and model_config.num_kv_heads % mesh.shape["tensor"] == 0:
-        self._tensor_axis = "tensor"
+      if TENSOR_AXIS in mesh.shape and model_config.num_kv_heads % mesh.shape[TENSOR_AXIS] == 0:
+        self._tensor_axis = TENSOR_AXIS
     self.decode = jax.jit(self._decode_loop, static_argnames=("allocate",), donate_argnums=(1,))
     self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
     self.copy_pages = jax.jit(self._copy_pages, donate_argnums=(0,))

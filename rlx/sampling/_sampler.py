@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rlx import policy
+from rlx._mesh_axes import BATCH_AXES
 from rlx.sampling._config import SamplerConfig
 from rlx.sampling._engine import (
   Knobs,
@@ -110,8 +111,6 @@ class Sampler:
     if mesh is not None:
       if not isinstance(mesh, Mesh):
         raise ValueError(f"`mesh` must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
-      from rlx.train import BATCH_AXES
-
       shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
       if config.max_slots % shards:
         raise ValueError(

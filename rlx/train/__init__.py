@@ -22,6 +22,10 @@ it and each decoder layer inside the policy's layer scan (one layer at a time,
 re-gathered in the backward pass), see `fsdp_gather_fns`.
 """
 
+from rlx._mesh_axes import (
+  BATCH_AXES,
+  MESH_AXES,
+)
 from rlx.policy import (
   param_shardings,
 )
@@ -52,8 +56,6 @@ from rlx.train._logprobs import (
   make_compute_logprobs,
 )
 from rlx.train._mesh import (
-  BATCH_AXES,
-  MESH_AXES,
   batch_axis_size,
   batch_sharding,
   gathered_layer_shardings,

@@ -12,21 +12,19 @@ keywords its registry spec declares (`PolicyLossSpec.clip_keywords`).
 from typing import Any
 
 import jax
-import ml_collections
 from jax.sharding import Mesh
 
 from rlx import objectives
-from rlx.train import _config, _forward, _gather
+from rlx.train import _forward, _gather, _spec
 
 
 def bapo_clip_kwargs(
   params: Any,
   mini: dict,
   model_config: Any,
-  cfg: ml_collections.ConfigDict,
+  spec: _spec.StepSpec,
   mesh: Mesh,
   gather: _gather.FsdpGather,
-  spec: objectives.PolicyLossSpec | None = None,
 ) -> tuple[dict, dict]:
   """The loss's clip keywords from BAPO bounds of one mini-batch, and their metrics.
 
@@ -34,24 +32,24 @@ def bapo_clip_kwargs(
     params: the current params.
     mini: the mini-batch dict (tokens, loss_mask, advantages, old_logp, ...).
     model_config: the `rlx.policy.ModelConfig`.
-    cfg: the train config (`bapo_kwargs`, micro_batches, loss).
+    spec: the resolved train config (`bapo_kwargs`, micro_batches, loss).
     mesh: the mesh.
     gather: the `FsdpGather` of the forward.
-    spec: the policy loss; None = the registry entry of `cfg.loss`.
 
   Returns:
-    `(clip_kwargs, metrics)`: the keywords of `spec.clip_keywords` to pass to
-    the loss, and f32 scalars bapo_c_low, bapo_c_high, bapo_positive_share.
+    `(clip_kwargs, metrics)`: the keywords of `spec.loss.clip_keywords` to pass
+    to the loss, and f32 scalars bapo_c_low, bapo_c_high, bapo_positive_share.
   """
-  spec = _config.loss_spec(cfg, spec)
-  kwargs = _config.to_kwargs(cfg.bapo_kwargs)
-  if "dual_clip" not in spec.clip_keywords:
-    kwargs["dual_clip"] = None  # the loss has no dual clip: no token loses its gradient to one
-  logp = _forward.microbatched_logprobs(params, mini, model_config, cfg, mesh, gather)
+  logp = _forward.microbatched_logprobs(params, mini, model_config, spec, mesh, gather)
   bounds = objectives.bapo_clip_bounds(
-    jax.lax.stop_gradient(logp), mini["old_logp"], mini["advantages"], mini["loss_mask"], **kwargs
+    jax.lax.stop_gradient(logp),
+    mini["old_logp"],
+    mini["advantages"],
+    mini["loss_mask"],
+    **spec.bapo_kwargs,
   )
-  clip = {k: v for k, v in bounds.clip_kwargs().items() if k in spec.clip_keywords}
+  clip_keywords = spec.loss.clip_keywords
+  clip = {k: v for k, v in bounds.clip_kwargs().items() if k in clip_keywords}
   metrics = {
     "bapo_c_low": bounds.c_low,
     "bapo_c_high": bounds.c_high,

@@ -13,10 +13,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from rlx.train import _distributed, _placement
+from rlx.train import _distributed, _placement, _spec
 
 REQUIRED_KEYS = ("tokens", "loss_mask", "advantages", "old_logp")
 OPTIONAL_KEYS = ("rollout_logp", "ref_logp", "positions", "segment_ids")
@@ -33,12 +32,12 @@ FLOAT_KEYS = ("advantages", "old_logp", "rollout_logp", "ref_logp")
 INT_KEYS = ("tokens", "positions", "segment_ids")
 
 
-def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_shards: int) -> None:
+def check_batch(batch: Mapping[str, Any], spec: _spec.StepSpec, num_shards: int) -> None:
   """Validates keys, shapes and dtypes of a train batch (no values are read).
 
   Args:
     batch: the batch dict (see `make_train_step`).
-    cfg: the train config.
+    spec: the resolved train config (batching counts, what needs rollout/ref log-probs).
     num_shards: batch shards of the mesh (`batch_axis_size`).
 
   Raises:
@@ -63,16 +62,16 @@ def check_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict, num_sh
     raise ValueError(
       f"`advantages` must have shape [B, S] = {shape} or [B] = {shape[:1]}, got {adv_shape}."
     )
-  parts = cfg.mini_batches * cfg.micro_batches * num_shards
+  parts = spec.mini_batches * spec.micro_batches * num_shards
   if shape[0] % parts:
     raise ValueError(
-      f"Batch size {shape[0]} must be divisible by mini_batches ({cfg.mini_batches}) x "
-      f"micro_batches ({cfg.micro_batches}) x data x fsdp ({num_shards}) = {parts}."
+      f"Batch size {shape[0]} must be divisible by mini_batches ({spec.mini_batches}) x "
+      f"micro_batches ({spec.micro_batches}) x data x fsdp ({num_shards}) = {parts}."
     )
-  needs_rollout = cfg.use_rollout_correction or cfg.use_m2po or cfg.use_vcpo
+  needs_rollout = spec.use_rollout_correction or spec.use_m2po or spec.use_vcpo
   if needs_rollout and "rollout_logp" not in batch:
     raise ValueError("`rollout_logp` is required by use_rollout_correction / use_m2po / use_vcpo.")
-  if cfg.kl_coef > 0 and "ref_logp" not in batch:
+  if spec.kl_coef > 0 and "ref_logp" not in batch:
     raise ValueError("`ref_logp` is required when kl_coef > 0 (see compute_logprobs).")
 
 

@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 
 from rlx import objectives
+from rlx._choices import check_choice
 
 SCHEDULES = ("constant", "warmup_cosine")
 NONFINITE_MODES = ("skip", "raise")
@@ -161,10 +162,10 @@ def validate_config(
   _check_fields(config, get_config(), "config")
   _check_numbers_and_flags(config)
   spec = loss_spec(config, spec)
-  _choice(config.agg, objectives.AGG_MODES + ("default",), "config.agg")
-  _choice(config.kl_kind, objectives.KL_KINDS, "config.kl_kind")
-  _choice(config.optimizer.schedule, SCHEDULES, "config.optimizer.schedule")
-  _choice(config.nonfinite, NONFINITE_MODES, "config.nonfinite")
+  check_choice(config.agg, objectives.AGG_MODES + ("default",), "config.agg")
+  check_choice(config.kl_kind, objectives.KL_KINDS, "config.kl_kind")
+  check_choice(config.optimizer.schedule, SCHEDULES, "config.optimizer.schedule")
+  check_choice(config.nonfinite, NONFINITE_MODES, "config.nonfinite")
   _check_keywords(
     config.loss_kwargs,
     spec.fn,
@@ -342,8 +343,3 @@ def _check_bapo(config: ml_collections.ConfigDict, spec: objectives.PolicyLossSp
       f"`config.bapo_kwargs.dual_clip` is set, but loss {config.loss!r} has no dual clip "
       f"(its clip keywords are {spec.clip_keywords})."
     )
-
-
-def _choice(value: Any, choices: tuple, name: str) -> None:
-  if value not in choices:
-    raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")

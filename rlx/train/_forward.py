@@ -11,18 +11,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import Mesh
 
 from rlx import policy
-from rlx.train import _gather, _rows
+from rlx.train import _gather, _rows, _spec
 
 
 def batch_logprobs(
   params: Any,
   data: dict,
   model_config: Any,
-  cfg: ml_collections.ConfigDict,
+  spec: _spec.StepSpec,
   gather: _gather.FsdpGather = _gather.NO_GATHER,
   *,
   unroll: bool = False,
@@ -38,7 +37,7 @@ def batch_logprobs(
     data: dict with `tokens i32[B, S]`, `loss_mask bool[B, S]` and optional
       `positions`, `segment_ids` `i32[B, S]`.
     model_config: the `rlx.policy.ModelConfig`.
-    cfg: the train config (temperature, logprob_chunk_size).
+    spec: the resolved train config (temperature, logprob_chunk_size).
     gather: the `FsdpGather` of the mesh.
     unroll: run the decoder blocks as a Python loop (rlx.policy `unroll`)
       instead of the layer scan; same values.
@@ -49,8 +48,8 @@ def batch_logprobs(
   if gather.params_fn is not None:
     params = gather.params_fn(params)
   kwargs = {}
-  if cfg.logprob_chunk_size:
-    kwargs["chunk_size"] = int(cfg.logprob_chunk_size)
+  if spec.logprob_chunk_size:
+    kwargs["chunk_size"] = spec.logprob_chunk_size
   return policy.token_logprobs(
     params,
     model_config,
@@ -58,7 +57,7 @@ def batch_logprobs(
     data["loss_mask"],
     positions=data.get("positions"),
     segment_ids=data.get("segment_ids"),
-    temperature=float(cfg.temperature),
+    temperature=spec.temperature,
     layer_params_fn=gather.layer_params_fn,
     unroll=unroll,
     **kwargs,
@@ -69,21 +68,20 @@ def microbatched_logprobs(
   params: Any,
   data: dict,
   model_config: Any,
-  cfg: ml_collections.ConfigDict,
+  spec: _spec.StepSpec,
   mesh: Mesh,
   gather: _gather.FsdpGather = _gather.NO_GATHER,
 ) -> jax.Array:
-  """No-gradient `logp f32[B, S]` of a batch, computed in `cfg.micro_batches` parts.
+  """No-gradient `logp f32[B, S]` of a batch, computed in `spec.micro_batches` parts.
 
   The parts are the strided row split of `split_rows` (scanned with
   `lax.scan`, so only one part's activations are live), merged back into row
   order.
   """
-  micro_batches = int(cfg.micro_batches)
 
   def body(_, micro):
-    logp, _ = batch_logprobs(params, micro, model_config, cfg, gather)
+    logp, _ = batch_logprobs(params, micro, model_config, spec, gather)
     return None, jax.lax.stop_gradient(logp).astype(jnp.float32)
 
-  _, logp = jax.lax.scan(body, None, _rows.split_rows(data, micro_batches, mesh))
+  _, logp = jax.lax.scan(body, None, _rows.split_rows(data, spec.micro_batches, mesh))
   return _rows.merge_rows(logp)

@@ -14,7 +14,8 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from rlx.train import _mesh
+from rlx._mesh_axes import FSDP_AXIS
+from rlx.train import _mesh, _spec
 
 
 class FsdpGather(NamedTuple):
@@ -34,7 +35,9 @@ class FsdpGather(NamedTuple):
 NO_GATHER = FsdpGather(None, None)
 
 
-def fsdp_gather_fns(model_config: Any, cfg: ml_collections.ConfigDict, mesh: Mesh) -> FsdpGather:
+def fsdp_gather_fns(
+  model_config: Any, cfg: ml_collections.ConfigDict | _spec.StepSpec, mesh: Mesh
+) -> FsdpGather:
   """The param-gathering functions of the train step's forward (ZeRO-3 / FSDP).
 
   - `gather_fsdp_params` and `gather_fsdp_per_layer` (default): the
@@ -54,13 +57,14 @@ def fsdp_gather_fns(model_config: Any, cfg: ml_collections.ConfigDict, mesh: Mes
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
-    cfg: the train config (`gather_fsdp_params`, `gather_fsdp_per_layer`).
+    cfg: the train config, or its `StepSpec` (`gather_fsdp_params`,
+      `gather_fsdp_per_layer`).
     mesh: the mesh the params live on.
 
   Returns:
     An `FsdpGather`.
   """
-  if not cfg.gather_fsdp_params or mesh.shape.get("fsdp", 1) == 1:
+  if not cfg.gather_fsdp_params or mesh.shape.get(FSDP_AXIS, 1) == 1:
     return NO_GATHER  # nothing is sharded over "fsdp"
   gathered = _mesh.gathered_param_shardings(model_config, mesh)
   if not cfg.gather_fsdp_per_layer:

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from rlx.train import _batch, _distributed, _mesh, _placement, _state, _throughput
+from rlx.train import _batch, _distributed, _mesh, _placement, _spec, _state, _throughput
 
 
 class NonFiniteError(FloatingPointError):
@@ -62,11 +62,13 @@ class TrainStep:
     jitted: the jitted, sharded, donating step.
     step_fn: the pure `step_fn(state, batch) -> (state, metrics)`.
     mesh: the mesh of the state and batch.
-    config: the validated train config.
+    config: the validated train config, as passed (the step reads `spec`).
+    spec: its `StepSpec`, resolved when the step was built (the host checks read it).
     vocab_size: the policy's vocabulary size (token ids are checked against it).
     abstract_state: the `TrainState` of `jax.ShapeDtypeStruct`s the step expects.
-    nonfinite: "skip" or "raise".
-    report_throughput: wait for each step and add the host-timed metrics.
+    nonfinite: "skip" or "raise" (`spec.nonfinite` unless replaced).
+    report_throughput: wait for each step and add the host-timed metrics
+      (`spec.report_throughput` unless replaced).
     throughput: the `ThroughputMeter` recording every call.
   """
 
@@ -74,6 +76,7 @@ class TrainStep:
   step_fn: Callable[[_state.TrainState, dict], tuple[_state.TrainState, dict]]
   mesh: Mesh
   config: ml_collections.ConfigDict
+  spec: _spec.StepSpec
   vocab_size: int
   abstract_state: _state.TrainState
   nonfinite: str = "skip"
@@ -123,7 +126,7 @@ class TrainStep:
       "state",
       "the step's TrainState (same model config and optimizer?)",
     )
-    _batch.check_batch(batch, self.config, _mesh.batch_axis_size(self.mesh))
+    _batch.check_batch(batch, self.spec, _mesh.batch_axis_size(self.mesh))
     _batch.check_values(batch, self.vocab_size, _batch.FLOAT_KEYS)
     return _placement.place_batch(batch, self.mesh)
 

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from rlx import policy
-from rlx.train import _batch, _config, _forward, _gather, _mesh, _placement, _state
+from rlx.train import _batch, _forward, _gather, _mesh, _placement, _spec, _state
 
 _INPUT_KEYS = ("tokens", "loss_mask", "positions", "segment_ids")
 
@@ -78,7 +78,8 @@ def make_compute_logprobs(
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
-    train_config: the train config (temperature, micro_batches, chunk size).
+    train_config: the train config (temperature, micro_batches, chunk size,
+      FSDP gathering), validated and resolved here (`StepSpec`).
     mesh: the mesh the params and batch live on.
 
   Returns:
@@ -86,17 +87,16 @@ def make_compute_logprobs(
     with `tokens i32[B, S]`, `loss_mask [B, S]` and optional `positions`,
     `segment_ids`) and returning f32[B, S] sharded along the batch.
   """
-  _config.validate_config(train_config)
-  cfg = train_config
-  gather = _gather.fsdp_gather_fns(model_config, cfg, mesh)
-  parts = int(cfg.micro_batches) * _mesh.batch_axis_size(mesh)
+  spec = _spec.StepSpec.from_config(train_config)
+  gather = _gather.fsdp_gather_fns(model_config, spec, mesh)
+  parts = spec.micro_batches * _mesh.batch_axis_size(mesh)
 
   def logprobs_fn(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
     check_inputs(batch, parts)
     mask = batch["loss_mask"]
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
     inputs["loss_mask"] = mask if mask.dtype == jnp.bool_ else mask != 0
-    return _forward.microbatched_logprobs(params, inputs, model_config, cfg, mesh, gather)
+    return _forward.microbatched_logprobs(params, inputs, model_config, spec, mesh, gather)
 
   batch_sharding = NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))
   jitted = jax.jit(
@@ -109,5 +109,5 @@ def make_compute_logprobs(
     logprobs_fn=logprobs_fn,
     mesh=mesh,
     model_config=model_config,
-    micro_batches=int(cfg.micro_batches),
+    micro_batches=spec.micro_batches,
   )

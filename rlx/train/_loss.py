@@ -5,68 +5,61 @@
 
 with Z the mini-batch's denominator (`rlx.objectives.aggregate_scale`), so the
 micro-batch losses sum to the mini-batch's (gradient accumulation with the
-global token count, as verl's `agg_loss`). The policy loss is the registry
-entry `rlx.objectives.get_policy_loss_spec(config.loss)` (or the spec passed
-to `make_train_step(loss=...)`): its extra inputs (e.g. ASPO's entropy) come
-from `spec.extra_inputs`, never from its name, and reach it detached unless
-`spec.differentiable_entropy`.
+global token count, as verl's `agg_loss`). The policy loss is `StepSpec.loss`,
+the registry entry `rlx.objectives.get_policy_loss_spec(config.loss)` (or the
+spec passed to `make_train_step(loss=...)`): its extra inputs (e.g. ASPO's
+entropy) come from its `extra_inputs`, never from its name, and reach it
+detached unless its `differentiable_entropy`.
 """
 
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from rlx import objectives
-from rlx.train import _config, _forward, _gather
+from rlx.train import _forward, _gather, _spec
 
 # Extra loss inputs the step can provide, from the forward's outputs.
 _EXTRA_INPUTS = ("entropy",)
 
 
-def make_loss_fn(
-  model_config: Any,
-  cfg: ml_collections.ConfigDict,
-  gather: _gather.FsdpGather,
-  spec: objectives.PolicyLossSpec | None = None,
-):
+def make_loss_fn(model_config: Any, spec: _spec.StepSpec, gather: _gather.FsdpGather):
   """`loss_fn(params, micro, agg_scale, clip_kwargs) -> (loss, aux)` for one micro-batch.
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
-    cfg: the validated train config.
+    spec: the resolved train config (its `loss` is the policy loss).
     gather: the `FsdpGather` of the forward.
-    spec: the policy loss; None = the registry entry of `cfg.loss`.
 
   Returns:
     The loss function; `aux` holds the loss terms, the masked entropy sum,
     the valid-token count and the loss's `PolicyLossMetrics` as a dict.
   """
-  spec = _config.loss_spec(cfg, spec)
-  unsupported = sorted(set(spec.extra_inputs) - set(_EXTRA_INPUTS))
+  policy_loss_spec = spec.loss
+  unsupported = sorted(set(policy_loss_spec.extra_inputs) - set(_EXTRA_INPUTS))
   if unsupported:
     raise ValueError(
-      f"Loss {cfg.loss!r} needs inputs {unsupported} that the train step cannot provide "
+      f"Loss {spec.loss_name!r} needs inputs {unsupported} that the train step cannot provide "
       f"(it provides {_EXTRA_INPUTS})."
     )
-  loss_kwargs = _config.to_kwargs(cfg.loss_kwargs)
-  agg = _config.resolve_agg(cfg, spec)
-  kl_coef = float(cfg.kl_coef)
-  entropy_coef = float(cfg.entropy_coef)
+  agg, kl_coef, entropy_coef = spec.agg, spec.kl_coef, spec.entropy_coef
   # Per-layer FSDP gathering needs the layer loop (one gathered layer live at a time).
   unroll = gather.layer_params_fn is None and (
-    int(model_config.num_layers) <= int(cfg.unroll_max_layers)
+    int(model_config.num_layers) <= spec.unroll_max_layers
   )
 
   def loss_fn(params, micro: dict, agg_scale: jax.Array, clip_kwargs: dict):
     mask = micro["loss_mask"]
-    logp, entropy = _forward.batch_logprobs(params, micro, model_config, cfg, gather, unroll=unroll)
+    logp, entropy = _forward.batch_logprobs(
+      params, micro, model_config, spec, gather, unroll=unroll
+    )
     # The loss sees the entropy detached unless its spec asks for the gradient.
-    extra = {"entropy": entropy if spec.differentiable_entropy else jax.lax.stop_gradient(entropy)}
+    differentiable = policy_loss_spec.differentiable_entropy
+    extra = {"entropy": entropy if differentiable else jax.lax.stop_gradient(entropy)}
     if entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
-    policy_loss, policy_metrics = spec.fn(
+    policy_loss, policy_metrics = policy_loss_spec.fn(
       logp,
       micro["old_logp"],
       micro["advantages"],
@@ -74,15 +67,15 @@ def make_loss_fn(
       is_weights=micro.get("is_weights"),
       agg=agg,
       agg_scale=agg_scale,
-      **loss_kwargs,
+      **spec.loss_kwargs,
       **clip_kwargs,
-      **{name: extra[name] for name in spec.extra_inputs},
+      **{name: extra[name] for name in policy_loss_spec.extra_inputs},
     )
     entropy_loss = objectives.aggregate(entropy, mask, agg, scale=agg_scale)
     loss = policy_loss - entropy_coef * entropy_loss
     kl_loss = jnp.zeros((), jnp.float32)
     if kl_coef > 0:
-      kl = objectives.kl_penalty(logp, micro["ref_logp"], cfg.kl_kind, mask=mask)
+      kl = objectives.kl_penalty(logp, micro["ref_logp"], spec.kl_kind, mask=mask)
       kl_loss = objectives.aggregate(kl, mask, agg, scale=agg_scale)
       loss = loss + kl_coef * kl_loss
     aux = {

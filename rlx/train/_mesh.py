@@ -18,10 +18,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rlx import policy
-
-MESH_AXES = ("data", "fsdp", "tensor")
-# The batch (sequence) dimension is split over these axes.
-BATCH_AXES = ("data", "fsdp")
+from rlx._mesh_axes import BATCH_AXES, DATA_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
 
 
 def make_mesh(
@@ -59,7 +56,7 @@ def make_mesh(
   num_devices = len(devices)
   if num_devices == 0:
     raise ValueError("`devices` is empty.")
-  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  sizes = {DATA_AXIS: data, FSDP_AXIS: fsdp, TENSOR_AXIS: tensor}
   for name, size in sizes.items():
     if not isinstance(size, int | np.integer) or (size < 1 and size != -1):
       raise ValueError(f"Mesh axis `{name}` must be a positive int or -1, got {size!r}.")
@@ -125,9 +122,9 @@ def gathered_param_shardings(model_config: Any, mesh: Mesh) -> Any:
 
   def drop_fsdp(entry):
     if isinstance(entry, tuple):
-      kept = tuple(a for a in entry if a != "fsdp")
+      kept = tuple(a for a in entry if a != FSDP_AXIS)
       return kept if len(kept) > 1 else (kept[0] if kept else None)
-    return None if entry == "fsdp" else entry
+    return None if entry == FSDP_AXIS else entry
 
   return jax.tree.map(
     lambda spec: NamedSharding(mesh, PartitionSpec(*(drop_fsdp(e) for e in spec))),

@@ -6,6 +6,9 @@ logs `schedule(n)` with n computed from its own `TrainState` (see
 optimizer chain names or nests its internal counters.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import ml_collections
 import optax
@@ -28,23 +31,7 @@ def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
     An optax schedule `n -> lr` (n = optimizer update count).
   """
   _config.validate_config(config)
-  opt = config.optimizer
-  lr = float(opt.learning_rate)
-  warmup = int(opt.warmup_steps)
-  if opt.schedule == "constant":
-    if warmup == 0:
-      return optax.constant_schedule(lr)
-    return optax.join_schedules(
-      [optax.linear_schedule(lr / warmup, lr, warmup - 1), optax.constant_schedule(lr)],
-      [warmup],
-    )
-  return optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=lr,
-    warmup_steps=warmup,
-    decay_steps=int(opt.decay_steps),
-    end_value=lr * float(opt.end_lr_ratio),
-  )
+  return schedule_of(config.optimizer)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -56,16 +43,41 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   Returns:
     The optax transformation applied once per mini-batch update.
   """
-  opt = config.optimizer
-  adamw = optax.adamw(
-    make_schedule(config),
-    b1=float(opt.b1),
-    b2=float(opt.b2),
-    eps=float(opt.eps),
-    weight_decay=float(opt.weight_decay),
+  _config.validate_config(config)
+  return optimizer_of(config.optimizer, float(config.max_grad_norm))
+
+
+def schedule_of(opt: Mapping[str, Any]) -> optax.Schedule:
+  """`make_schedule` of a validated `optimizer` section (a ConfigDict or a `StepSpec.optimizer`)."""
+  lr = float(opt["learning_rate"])
+  warmup = int(opt["warmup_steps"])
+  if opt["schedule"] == "constant":
+    if warmup == 0:
+      return optax.constant_schedule(lr)
+    return optax.join_schedules(
+      [optax.linear_schedule(lr / warmup, lr, warmup - 1), optax.constant_schedule(lr)],
+      [warmup],
+    )
+  return optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=lr,
+    warmup_steps=warmup,
+    decay_steps=int(opt["decay_steps"]),
+    end_value=lr * float(opt["end_lr_ratio"]),
   )
-  if config.max_grad_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(float(config.max_grad_norm)), adamw)
+
+
+def optimizer_of(opt: Mapping[str, Any], max_grad_norm: float) -> optax.GradientTransformation:
+  """`make_optimizer` of a validated `optimizer` section and `max_grad_norm` (0 = no clipping)."""
+  adamw = optax.adamw(
+    schedule_of(opt),
+    b1=float(opt["b1"]),
+    b2=float(opt["b2"]),
+    eps=float(opt["eps"]),
+    weight_decay=float(opt["weight_decay"]),
+  )
+  if max_grad_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(float(max_grad_norm)), adamw)
   return adamw
 
 

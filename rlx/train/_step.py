@@ -11,12 +11,13 @@ One call of `train_step(state, batch)` consumes one rollout batch:
         grads += d loss(micro; agg_scale = mini-batch denominator) / d params
       params, opt_state = optax update (skipped if loss/grads are non-finite)
 
-The pieces live in their own modules: `_batch` (contract), `_transforms`
-(whole-batch transforms), `_update` (one optimizer update), `_loss` (the
-objective), `_bapo`, `_forward` / `_gather` (FSDP-gathered forward),
-`_metrics` (merging) and `_host` (the host-side `TrainStep`). Layout after
-flax's lm1b `train_step` and big_vision's `update_fn`
-(https://github.com/google/flax/tree/main/examples/lm1b,
+The config is validated and resolved once, into the frozen `StepSpec` that
+every piece reads (`_spec`). The pieces live in their own modules: `_batch`
+(contract), `_transforms` (whole-batch transforms), `_update` (one optimizer
+update), `_loss` (the objective), `_bapo`, `_forward` / `_gather`
+(FSDP-gathered forward), `_metrics` (merging) and `_host` (the host-side
+`TrainStep`). Layout after flax's lm1b `train_step` and big_vision's
+`update_fn` (https://github.com/google/flax/tree/main/examples/lm1b,
 https://github.com/google-research/big_vision).
 """
 
@@ -33,13 +34,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlx import objectives, policy
 from rlx.train import (
   _batch,
-  _config,
   _gather,
   _host,
   _mesh,
   _metrics,
   _optimizer,
   _rows,
+  _spec,
   _state,
   _transforms,
   _update,
@@ -129,17 +130,16 @@ def make_train_step(
     A `TrainStep`; call it as `state, metrics = train_step(state, batch)`, or
     trace `train_step.step_fn(state, batch)` inside your own jit.
   """
-  spec = _resolve_loss(loss)
-  _config.validate_config(train_config, spec=spec)
-  cfg = train_config
-  optimizer = optimizer if optimizer is not None else _optimizer.make_optimizer(cfg)
+  spec = _spec.StepSpec.from_config(train_config, loss=_resolve_loss(loss))
+  if optimizer is None:
+    optimizer = _optimizer.optimizer_of(spec.optimizer, spec.max_grad_norm)
   params_shape = jax.eval_shape(
     functools.partial(policy.init_params, model_config), jax.random.PRNGKey(0)
   )
   shardings = _state.train_state_shardings(
-    params_shape, model_config, cfg, mesh, optimizer=optimizer
+    params_shape, model_config, train_config, mesh, optimizer=optimizer
   )
-  step_fn = make_step_fn(model_config, cfg, mesh, optimizer, spec=spec)
+  step_fn = make_step_fn(model_config, train_config, mesh, optimizer, spec=spec)
   jitted = jax.jit(
     step_fn,
     in_shardings=(shardings, NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))),
@@ -150,36 +150,52 @@ def make_train_step(
     jitted=jitted,
     step_fn=step_fn,
     mesh=mesh,
-    config=cfg,
+    config=train_config,
+    spec=spec,
     vocab_size=int(model_config.vocab_size),
-    abstract_state=_state.abstract_train_state(model_config, cfg, mesh, optimizer=optimizer),
-    nonfinite=cfg.nonfinite,
-    report_throughput=bool(cfg.report_throughput),
+    abstract_state=_state.abstract_train_state(
+      model_config, train_config, mesh, optimizer=optimizer
+    ),
+    nonfinite=spec.nonfinite,
+    report_throughput=spec.report_throughput,
   )
 
 
 def make_step_fn(
   model_config: Any,
-  cfg: ml_collections.ConfigDict,
+  cfg: ml_collections.ConfigDict | _spec.StepSpec,
   mesh: Mesh,
   optimizer: optax.GradientTransformation,
   *,
-  spec: objectives.PolicyLossSpec | None = None,
+  spec: _spec.StepSpec | objectives.PolicyLossSpec | None = None,
 ) -> Callable[[_state.TrainState, dict], tuple[_state.TrainState, dict]]:
   """The pure `step_fn(state, batch) -> (state, metrics)` (traceable, no host checks).
 
   Only shapes are validated (at trace time); it may be called inside any
   jit whose arrays live on `mesh` (the sharding constraints name its axes).
-  `spec` is the policy loss (None: the registry entry of `cfg.loss`).
+
+  Args:
+    model_config: the `rlx.policy.ModelConfig`.
+    cfg: the train config (validated and resolved here unless `spec` is a
+      `StepSpec`), or its `StepSpec`.
+    mesh: the mesh of the state and batch.
+    optimizer: the optax transformation of the state.
+    spec: the `StepSpec` resolved from `cfg` (e.g. by `make_train_step`; `cfg`
+      is then not read), or the policy loss to resolve `cfg` with (None: the
+      registry entry of `cfg.loss`).
+
+  Returns:
+    The step function.
   """
+  spec = _spec.as_step_spec(cfg, loss=spec)
   num_shards = _mesh.batch_axis_size(mesh)
-  gather = _gather.fsdp_gather_fns(model_config, cfg, mesh)
+  gather = _gather.fsdp_gather_fns(model_config, spec, mesh)
   param_shardings = policy.param_shardings(model_config, mesh)
-  update = _update.make_update_fn(model_config, cfg, mesh, optimizer, param_shardings, gather, spec)
+  update = _update.make_update_fn(model_config, spec, mesh, optimizer, param_shardings, gather)
 
   def step_fn(state: _state.TrainState, batch: dict):
-    _batch.check_batch(batch, cfg, num_shards)
-    data, pre_metrics = _transforms.prepare_batch(batch, cfg)
+    _batch.check_batch(batch, spec, num_shards)
+    data, pre_metrics = _transforms.prepare_batch(batch, spec)
     carry = _update.UpdateCarry(
       params=state.params,
       opt_state=state.opt_state,
@@ -191,15 +207,15 @@ def make_step_fn(
 
     def epoch(carry, epoch_index):
       shuffled = data
-      if cfg.shuffle and cfg.mini_batches > 1:
+      if spec.shuffle and spec.mini_batches > 1:
         rows = data["tokens"].shape[0]
         perm = jax.random.permutation(jax.random.fold_in(step_rng, epoch_index), rows)
         shuffled = jax.tree.map(lambda x: x[perm], data)
-      minis = _rows.split_rows(shuffled, cfg.mini_batches, mesh)
-      indices = epoch_index * cfg.mini_batches + jnp.arange(cfg.mini_batches)
+      minis = _rows.split_rows(shuffled, spec.mini_batches, mesh)
+      indices = epoch_index * spec.mini_batches + jnp.arange(spec.mini_batches)
       return jax.lax.scan(update, carry, (minis, indices))
 
-    carry, per_update = jax.lax.scan(epoch, carry, jnp.arange(cfg.ppo_epochs))
+    carry, per_update = jax.lax.scan(epoch, carry, jnp.arange(spec.ppo_epochs))
     metrics = _metrics.merge_update_metrics(per_update)
     metrics["tokens"] = jnp.sum(data["loss_mask"]).astype(jnp.float32)
     metrics["param_norm"] = optax.tree.norm(carry.params)

@@ -20,22 +20,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from rlx import objectives
-from rlx.train import _config
+from rlx.train import _spec
 
 # Rollout-correction metrics reported under their own stable names instead
 # (the same numbers as `rlx.objectives.rollout_mismatch_kl` of the sampled tokens).
 _MISMATCH_FIELDS = ("mismatch_k1", "mismatch_k3")
 
 
-def prepare_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> tuple[dict, dict]:
+def prepare_batch(batch: Mapping[str, Any], spec: _spec.StepSpec) -> tuple[dict, dict]:
   """The dict the step's loops consume, and the metrics of the whole-batch transforms.
 
   Args:
     batch: a validated train batch (`check_batch`).
-    cfg: the train config.
+    spec: the resolved train config.
 
   Returns:
     `(data, metrics)`: `data` holds tokens, loss_mask (bool, after M2PO and
@@ -54,27 +53,25 @@ def prepare_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> t
     mismatch = objectives.rollout_mismatch_kl(old_logp, rollout_logp, sampled)
     metrics["mismatch_k1"] = mismatch.k1
     metrics["mismatch_k3"] = mismatch.k3
-    if cfg.use_m2po:
-      keep = objectives.m2po_mask(
-        old_logp, rollout_logp, sampled, **_config.to_kwargs(cfg.m2po_kwargs)
-      )
+    if spec.use_m2po:
+      keep = objectives.m2po_mask(old_logp, rollout_logp, sampled, **spec.m2po_kwargs)
       keep = _as_bool(keep)
       n_sampled = jnp.maximum(jnp.sum(sampled), 1).astype(jnp.float32)
       metrics["m2po_masked_frac"] = jnp.sum(sampled & ~keep) / n_sampled
       mask = mask & keep
-    if cfg.use_rollout_correction:
+    if spec.use_rollout_correction:
       is_weights, kept, rc_metrics = objectives.rollout_correction(
         old_logp,
         rollout_logp,
         mask,
         sampled_mask=sampled,
-        **_config.to_kwargs(cfg.rollout_correction_kwargs),
+        **spec.rollout_correction_kwargs,
       )
       mask = _as_bool(kept)
       for name, value in rc_metrics._asdict().items():
         if name not in _MISMATCH_FIELDS:
           metrics[f"rollout_correction/{name}"] = jnp.asarray(value, jnp.float32)
-    if cfg.use_vcpo:
+    if spec.use_vcpo:
       seq_weights = objectives.sequence_importance_weights(old_logp, rollout_logp, sampled)
       ess, lr_factor = objectives.vcpo_lr_factor(seq_weights, valid=jnp.any(sampled, axis=1))
       metrics["vcpo_ess"] = ess
@@ -91,7 +88,7 @@ def prepare_batch(batch: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> t
   }
   if is_weights is not None:
     data["is_weights"] = jax.lax.stop_gradient(is_weights.astype(jnp.float32))
-  if cfg.kl_coef > 0:
+  if spec.kl_coef > 0:
     data["ref_logp"] = batch["ref_logp"].astype(jnp.float32)
   for key in ("positions", "segment_ids"):
     if key in batch:

@@ -14,12 +14,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from jax.sharding import Mesh
 
 from rlx import objectives
-from rlx.train import _bapo, _config, _gather, _loss, _metrics, _optimizer, _rows
+from rlx.train import _bapo, _gather, _loss, _metrics, _optimizer, _rows, _spec
 
 
 class UpdateCarry(NamedTuple):
@@ -42,43 +41,37 @@ class UpdateCarry(NamedTuple):
 
 def make_update_fn(
   model_config: Any,
-  cfg: ml_collections.ConfigDict,
+  spec: _spec.StepSpec,
   mesh: Mesh,
   optimizer: optax.GradientTransformation,
   param_shardings: Any,
   gather: _gather.FsdpGather,
-  spec: objectives.PolicyLossSpec | None = None,
 ) -> Callable:
   """`update(carry, (mini, update_index)) -> (carry, metrics)`, a `lax.scan` body.
 
   Args:
     model_config: the `rlx.policy.ModelConfig`.
-    cfg: the validated train config.
+    spec: the resolved train config.
     mesh: the mesh.
     optimizer: the optax transformation of the state.
     param_shardings: `NamedSharding`s of the params (gradients are kept so).
     gather: the `FsdpGather` of the forward.
-    spec: the policy loss; None = the registry entry of `cfg.loss`.
 
   Returns:
     The update function; `metrics` holds the merged micro-batch metrics plus
     grad_norm, update_norm, learning_rate, skipped (and the bapo_* bounds).
   """
-  spec = _config.loss_spec(cfg, spec)
-  loss_fn = _loss.make_loss_fn(model_config, cfg, gather, spec)
-  agg = _config.resolve_agg(cfg, spec)
-  schedule = _optimizer.make_schedule(cfg)
-  per_step = _optimizer.updates_per_step(cfg)
+  loss_fn = _loss.make_loss_fn(model_config, spec, gather)
+  schedule = _optimizer.schedule_of(spec.optimizer)
+  per_step = spec.updates_per_step
 
   def update(carry: UpdateCarry, xs) -> tuple[UpdateCarry, dict]:
     mini, update_index = xs
     params = carry.params
-    agg_scale = objectives.aggregate_scale(mini["loss_mask"], agg)
+    agg_scale = objectives.aggregate_scale(mini["loss_mask"], spec.agg)
     clip_kwargs, metrics = {}, {}
-    if cfg.use_bapo:
-      clip_kwargs, metrics = _bapo.bapo_clip_kwargs(
-        params, mini, model_config, cfg, mesh, gather, spec
-      )
+    if spec.use_bapo:
+      clip_kwargs, metrics = _bapo.bapo_clip_kwargs(params, mini, model_config, spec, mesh, gather)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
 
@@ -87,7 +80,7 @@ def make_update_fn(
       (_, aux), grads = grad_fn(params, micro, agg_scale, clip_kwargs)
       return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads), aux
 
-    micros = _rows.split_rows(mini, cfg.micro_batches, mesh)
+    micros = _rows.split_rows(mini, spec.micro_batches, mesh)
     grads, aux = jax.lax.scan(micro_step, zeros, micros)
     grads = jax.lax.with_sharding_constraint(grads, param_shardings)
     metrics.update(_metrics.merge_micro_metrics(aux))
@@ -95,7 +88,7 @@ def make_update_fn(
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = optimizer.update(grads, carry.opt_state, params)
-    if cfg.use_vcpo:
+    if spec.use_vcpo:
       updates = jax.tree.map(lambda u: u * carry.lr_factor.astype(u.dtype), updates)
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(finite, new, old)

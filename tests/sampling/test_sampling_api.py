@@ -2,6 +2,9 @@
 
 import dataclasses
 import inspect
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rlx import policy, sampling
+from rlx import _choices, _mesh_axes, kernels_pallas, policy, sampling
 
 MODEL = policy.ModelConfig.small(
   "llama", vocab_size=32, hidden_size=32, intermediate_size=64, head_dim=8
@@ -68,6 +71,40 @@ def test_public_names_and_signatures():
     "prompt_index",
     "stats",
   )
+
+
+def test_sampling_does_not_import_train():
+  """rlx.sampling reads the mesh axes and dtype names from their own low modules."""
+  code = textwrap.dedent(
+    """
+    import sys
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from rlx import policy, sampling
+    model = policy.ModelConfig.small(
+      "llama", vocab_size=32, hidden_size=32, intermediate_size=64, head_dim=8
+    )
+    config = sampling.SamplerConfig(
+      max_slots=2, page_size=4, num_pages=8, max_prompt_len=6, max_new_tokens=4
+    )
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    sampling.Sampler(model, config, mesh)
+    loaded = sorted(m for m in sys.modules if m == "rlx.train" or m.startswith("rlx.train."))
+    assert not loaded, loaded
+    """
+  )
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_shared_names_have_one_source():
+  assert sampling.KV_DTYPES is _choices.KV_DTYPES
+  assert sampling.WEIGHT_DTYPES is _choices.WEIGHT_DTYPES
+  assert set(_choices.FP8_DTYPES) <= set(_choices.KV_DTYPES)
+  assert _mesh_axes.BATCH_AXES == _mesh_axes.MESH_AXES[:2]
+  assert _choices.ATTENTION_IMPLS == kernels_pallas._common.IMPLS
+  with pytest.raises(ValueError, match="`attention_impl` must be one of"):
+    dataclasses.replace(CFG, attention_impl="cuda")
 
 
 @pytest.mark.parametrize(
