@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlx import _choices
+
 # Log-ratios are clamped to +-LOG_RATIO_CLAMP before `exp` (as verl's
 # `compute_policy_loss_vanilla` clamps `log_ratio` to [-20, 20]), so a ratio is at
 # most e^20 and its square stays finite in float32.
@@ -211,10 +213,7 @@ def check_scalar(value: Any, name: str, *, optional: bool = False) -> None:
     )
 
 
-def check_choice(value: Any, choices: Iterable[str], name: str) -> None:
-  choices = tuple(choices)
-  if value not in choices:
-    raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+check_choice = _choices.check_choice
 
 
 def is_concrete(x: Any) -> bool:

@@ -86,7 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from rlx import kernels_pallas
+from rlx import _choices, kernels_pallas
 from rlx.policy._config import ModelConfig
 
 Params = dict[str, Any]
@@ -110,7 +110,7 @@ LINEAR_KERNELS = (
 )
 # Weight block (and activation group) of the FP8 linears, fixed by `fp8_blockwise_matmul`.
 FP8_BLOCK = 128
-FP8_FORMATS = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+FP8_FORMATS = _choices.FP8_DTYPES  # format name -> dtype
 
 
 @jax.tree_util.register_dataclass

@@ -27,11 +27,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from rlx._mesh_axes import FSDP_AXIS, TENSOR_AXIS
 from rlx.policy._config import ModelConfig, check_model_config
 from rlx.policy._model import FP8_BLOCK, LINEAR_KERNELS, Fp8Kernel, Params, _is_shape, param_shapes
 
-FSDP = "fsdp"
-TENSOR = "tensor"
+FSDP = FSDP_AXIS
+TENSOR = TENSOR_AXIS
 
 # Per-leaf logical layout: one entry per dim, an axis name or None.
 # Keys are the leaf paths inside params with the "layers" prefix removed.

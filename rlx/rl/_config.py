@@ -21,7 +21,7 @@ from typing import Any
 
 import ml_collections
 
-from rlx import objectives, tasks, train
+from rlx import _choices, objectives, tasks, train
 
 BASELINES = ("grpo", "drgrpo", "rloo", "median")
 # Sections whose keys are free-form: keyword arguments of a function, checked
@@ -37,9 +37,9 @@ FREE_FORM = (
 # run is shown, or where user code lives, not what it computes).
 NOT_COMPARED = ("log.", "imports", "warmup.init_from")
 # rollout.weight_dtype / rollout.kv_dtype choices (rlx.sampling.SamplerConfig's).
-WEIGHT_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
-KV_DTYPES = ("float32", "bfloat16", "auto", "fp8_e4m3", "fp8_e5m2")
-FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+WEIGHT_DTYPES = _choices.WEIGHT_DTYPES
+KV_DTYPES = ("auto", *_choices.KV_DTYPES)  # "auto": the model's compute dtype
+FP8_DTYPES = tuple(_choices.FP8_DTYPES)
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -543,6 +543,4 @@ def samples_per_prompt(config: ml_collections.ConfigDict) -> int:
   return g + 1 if config.rl.baseline == "median" else g
 
 
-def _choice(value: Any, choices: tuple, name: str) -> None:
-  if value not in choices:
-    raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+_choice = _choices.check_choice
