@@ -12,12 +12,13 @@ import math
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from rlx import rl
+from rlx import rl, train
 
 _CONFIG_PATH = os.path.join(
   os.path.dirname(__file__), "..", "..", "experiments", "configs", "gsm8k_hf.py"
@@ -85,7 +86,21 @@ def test_gsm8k_hf_config_runs_on_a_mesh(checkpoint, tmp_path):
   c.log.plots = False
   summary = rl.run(c, str(tmp_path))
   assert summary["iterations"] == 2 and summary["task"] == "gsm8k"
-  assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+  # The config's bfloat16 params are what trained, and the two updates moved them.
+  task = rl.make_task(c)
+  model_config, initial = rl.build_model(c, task)
+  assert {str(x.dtype) for x in jax.tree.leaves(initial)} == {"bfloat16"}
+  abstract = train.abstract_train_state(model_config, rl.train_config(c), rl.build_mesh(c))
+  with train.Checkpointer(tmp_path / "checkpoints") as ckpt:
+    final = ckpt.restore(abstract).state
+  assert int(train.to_host(final.step)) == 2
+  leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(train.to_host(final.params))]
+  assert {str(x.dtype) for x in jax.tree.leaves(final.params)} == {"bfloat16"}
+  moved = [
+    np.abs(a - np.asarray(b, np.float32)).max()
+    for a, b in zip(leaves, jax.tree.leaves(initial), strict=True)
+  ]
+  assert max(moved) > 0, "the two updates left every parameter unchanged"
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   steps = [r for r in rows if r.get("phase") == "rl"]
   assert [r["iteration"] for r in steps] == [1, 2]
