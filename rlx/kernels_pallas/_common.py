@@ -2,10 +2,15 @@
 the page gather of the XLA attention paths.
 
 Dispatch follows where the input arrays live: `impl="auto"` picks the Pallas
-kernel of the platform holding the (concrete) inputs, so arrays placed on the
-CPU of a GPU host take the XLA path, as `jax.jit` would run them there. Under
-tracing the placement is unknown; the abstract mesh's device, then
-`jax.default_device`, then `jax.default_backend()` decide.
+kernel of the platform holding the inputs, so arrays placed on the CPU of a GPU
+host take the XLA path, as `jax.jit` would run them there. Under tracing, a
+tracer whose sharding names a mesh (a `jit` over `NamedSharding`-ed arrays or
+`jax.ShapeDtypeStruct`s, a `shard_map` body) carries that mesh's platform, so a
+program traced for a TPU mesh picks the Mosaic kernel even when compiled on a
+CPU-only host against compile-only devices
+(`jax.experimental.topologies.get_topology_desc`). Where no input names a
+platform, the abstract mesh's device, then `jax.default_device`, then
+`jax.default_backend()` decide.
 """
 
 import jax
@@ -56,20 +61,53 @@ def default_platform() -> str:
   return _PLATFORM_ALIASES.get(platform, platform)
 
 
-def arrays_platform(*arrays) -> str:
-  """Platform ("cpu", "gpu", "tpu") on which `arrays` live.
+def _traced_platform(x) -> str | None:
+  """Platform named by a tracer's sharding (its mesh's device), None when it names none."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  device = getattr(getattr(sharding, "mesh", None), "abstract_device", None)
+  platform = getattr(device, "platform", None)
+  return None if platform is None else _PLATFORM_ALIASES.get(platform, platform)
 
-  Concrete `jax.Array`s give their devices' platform (the union over their
-  shardings' device sets); tracers, NumPy arrays and `None` carry no placement.
-  Without any placed array this is `default_platform()`.
+
+def _placed_platforms(x) -> set[str]:
+  """Platforms of a concrete `jax.Array`'s devices, or of a `jax.ShapeDtypeStruct`'s sharding."""
+  if isinstance(x, jax.Array):
+    devices = x.sharding.device_set
+  elif isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+    mesh = getattr(x.sharding, "mesh", None)
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None:  # a NamedSharding over an AbstractMesh
+      return {_PLATFORM_ALIASES.get(device.platform, device.platform)}
+    devices = getattr(x.sharding, "device_set", None) or ()
+  else:
+    return set()
+  return {_PLATFORM_ALIASES.get(d.platform, d.platform) for d in devices}
+
+
+def arrays_platform(*arrays) -> str:
+  """Platform ("cpu", "gpu", "tpu") on which `arrays` live, i.e. where the kernel will run.
+
+  In order:
+    1. Tracers whose sharding names a mesh give that mesh's platform: the
+       program is being traced for those devices (a `jit` with sharded inputs,
+       `jax.ShapeDtypeStruct`s included, or a `shard_map` body), and concrete
+       arrays closed over are moved there.
+    2. Concrete `jax.Array`s give their devices' platform (the union over their
+       shardings' device sets); a `jax.ShapeDtypeStruct` with a sharding gives
+       the platform of that sharding.
+    3. Otherwise (NumPy arrays, `None`, tracers without a mesh, e.g. under a
+       `jit` of single-device arrays) `default_platform()`.
 
   Raises:
-    ValueError: when the inputs live on more than one platform.
+    ValueError: when the inputs of the deciding kind live on more than one platform.
   """
-  platforms = set()
-  for x in arrays:
-    if isinstance(x, jax.Array) and is_concrete(x):
-      platforms |= {_PLATFORM_ALIASES.get(d.platform, d.platform) for d in x.sharding.device_set}
+  traced = {p for x in arrays if not is_concrete(x) and (p := _traced_platform(x)) is not None}
+  placed = set()
+  if not traced:
+    for x in arrays:
+      if is_concrete(x):
+        placed |= _placed_platforms(x)
+  platforms = traced or placed
   if len(platforms) > 1:
     raise ValueError(f"Inputs live on several platforms {sorted(platforms)}; put them on one.")
   return platforms.pop() if platforms else default_platform()

@@ -576,8 +576,9 @@ def paged_attention(
   Public kernels with the same layout: JAX `pallas/ops/gpu/paged_attention.py`
   and `pallas/ops/tpu/paged_attention`.
 
-  Implementations (`impl`), chosen by where the inputs live (the platform of the
-  concrete arrays' devices; under `jit`, the default device / backend):
+  Implementations (`impl`), chosen by where the inputs live (under `jit`, the
+  platform of the mesh the inputs are sharded on; else the concrete arrays'
+  devices; else the default device / backend, see `_common.arrays_platform`):
     "auto": Pallas on GPU ("pallas_gpu") and TPU ("pallas_tpu"); elsewhere (CPU)
       the XLA path ("xla").
     "pallas": the Pallas kernel of that platform; on CPU the GPU-style kernel
