@@ -16,6 +16,8 @@ the plot to `<workdir>/sweep.png`, the rows to `<workdir>/sweep.json`.
 
 import json
 import os
+import shutil
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -34,6 +36,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 _GRID = flags.DEFINE_string("grid", "train.loss=ppo,cispo", "field=v1,v2;field=v1,... grid.")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds of every grid point.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlx_sweep", "Root output directory.")
+_OUT = flags.DEFINE_string(
+  "out", "", "Also write the table (with the rerun command) to this markdown file, the plot beside."
+)
 
 
 def main(argv):
@@ -53,8 +58,22 @@ def main(argv):
     f.write(table + "\n")
   with open(os.path.join(_WORKDIR.value, "sweep.json"), "w") as f:
     json.dump(rows, f, indent=2)
+  rerun = "python experiments/sweep.py " + " ".join(sys.argv[1:])
   print(table)
   print(f"plot: {plot}")
+  print(f"Rerun: {rerun}")
+  if _OUT.value:
+    out_plot = os.path.splitext(_OUT.value)[0] + ".png"
+    shutil.copyfile(plot, out_plot)
+    load = os.getloadavg()[0]
+    with open(_OUT.value, "w") as f:
+      f.write(
+        f"# Sweep: {_GRID.value or 'the base config'} x seeds {','.join(_SEEDS.value)}\n\n"
+        f"Config {os.path.relpath(flags.FLAGS['config'].config_filename)}; wall time per run "
+        f"as `rlx.rl.run` reports it; 1-minute load average at the end {load:.1f} on "
+        f"{os.cpu_count()} cores. Plot: {os.path.basename(out_plot)}.\n\n"
+        f"{table}\n\nRerun: `{rerun}`\n"
+      )
 
 
 if __name__ == "__main__":

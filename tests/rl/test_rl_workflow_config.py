@@ -240,3 +240,19 @@ def test_an_imported_file_can_import_its_siblings(tmp_path, monkeypatch):
   assert module.VALUE == 7
   sys.modules.pop(module.__name__)
   sys.modules.pop("helpers_sibling")
+
+
+def test_warmup_shows_progress_and_first_compile_notes(tmp_path, capfd):
+  config = rl_test_utils.tiny_config(
+    **{"log.progress_bar": True, "rl.iterations": 1, "eval.every": 1, "checkpoint.every": 1}
+  )
+  summary = rl.run(config, str(tmp_path))
+  err = capfd.readouterr().err
+  assert summary["warmup_steps"] > 0
+  assert "warm-up:" in err and "dev_acc=" in err  # the warm-up's progress bar
+  for what in ("the greedy evaluation sampler", "the warm-up step"):
+    assert f"rlx: compiling {what} (first call) ..." in err
+    assert f"rlx: {what}: first call took" in err
+  assert "RL iteration (sampler, log-probs, train step) (first call) ..." in err or (
+    "fused RL iteration (sampler + reward + train step) (first call) ..." in err
+  )
