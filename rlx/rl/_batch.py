@@ -73,6 +73,13 @@ class RolloutBatch:
       raise ValueError(
         f"`rewards` must have shape [B] = ({self.tokens.shape[0]},), got {rewards.shape}."
       )
+    if not isinstance(rewards, jax.core.Tracer):  # concrete: name the rows that are not finite
+      bad = np.flatnonzero(~np.isfinite(np.asarray(rewards)))
+      if bad.size:
+        raise ValueError(
+          f"`rewards` must be finite; rows {bad[:8].tolist()} are not "
+          f"({np.asarray(rewards)[bad[:8]].tolist()})."
+        )
     return self.replace(rewards=rewards)
 
 

@@ -122,6 +122,9 @@ def test_build_rollout_batch_layout():
   np.testing.assert_array_equal(tb["loss_mask"][0], b.response_mask[0])
   with pytest.raises(ValueError, match="rewards"):
     b.with_rewards([1.0])
+  with pytest.raises(ValueError, match=r"`rewards` must be finite; rows \[1\] are not \(\[nan\]\)"):
+    b.with_rewards([1.0, float("nan")])
+  jax.jit(lambda r: b.with_rewards(r).rewards)(jnp.asarray([1.0, jnp.nan]))  # traced: no check
   with pytest.raises(ValueError, match="response_lengths"):
     rl.build_rollout_batch(prompts, plen, resp, logp, rlen[:1], rlen, rlen, 0)
 
