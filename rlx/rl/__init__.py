@@ -24,6 +24,10 @@ from rlx.rl._batch import (
   response_arrays,
   train_batch,
 )
+from rlx.rl._cache import (
+  compilation_cache_dir,
+  enable_compilation_cache,
+)
 from rlx.rl._config import (
   BASELINES,
   check_fields,
@@ -104,6 +108,8 @@ __all__ = (
   "build_model",
   "build_rollout_batch",
   "check_fields",
+  "compilation_cache_dir",
+  "enable_compilation_cache",
   "format_summary",
   "format_sweep_row",
   "get_config",

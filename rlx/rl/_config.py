@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 
 from rlx import _choices, objectives, tasks, train
+from rlx.rl import _cache
 
 BASELINES = ("grpo", "drgrpo", "rloo", "median")
 # Sections whose keys are free-form: keyword arguments of a function, checked
@@ -35,7 +36,7 @@ FREE_FORM = (
 )
 # Fields compared when a workdir is resumed: all but these (they change how a
 # run is shown, or where user code lives, not what it computes).
-NOT_COMPARED = ("log.", "imports", "warmup.init_from")
+NOT_COMPARED = ("log.", "imports", "warmup.init_from", "compilation_cache_dir")
 # rollout.weight_dtype / rollout.kv_dtype choices (rlx.sampling.SamplerConfig's).
 WEIGHT_DTYPES = _choices.WEIGHT_DTYPES
 KV_DTYPES = ("auto", *_choices.KV_DTYPES)  # "auto": the model's compute dtype
@@ -57,6 +58,12 @@ def get_config() -> ml_collections.ConfigDict:
   # comma-separated module names (importable, e.g. "mypkg.losses") or paths of
   # .py files (e.g. "my_loss.py", relative to the working directory).
   c.imports = ""
+  # JAX's persistent compilation cache: a directory where compiled programs
+  # are kept, so re-running an experiment (another seed, a resumed run, the
+  # next grid point of a sweep) loads them instead of compiling again
+  # (tracing still runs). "" = $RLX_COMPILATION_CACHE_DIR when set, else off.
+  # It never changes results, so a workdir's config check ignores it.
+  c.compilation_cache_dir = ""
 
   _add_task_model_and_rollout(c)
   _add_train_and_rl(c)
@@ -164,6 +171,21 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   c.train.optimizer.learning_rate = 3e-4
   c.train.max_grad_norm = 1.0
   c.train.report_throughput = False  # timed by the loop instead
+  # The trainer's temperature: the train step's log-probs (logp, old_logp and
+  # the KL reference's ref_logp) are log softmax(logits / train.temperature),
+  # while the behaviour log-probs rollout_logp stay those the sampler sampled
+  # from (at rl.temperature). 0 = rl.temperature: the trainer optimises the
+  # distribution it sampled from. A different value trains the policy at
+  # train.temperature on samples drawn at rl.temperature (as in scripts that
+  # sample sharpened and train at T = 1); the PPO ratio old_logp -> logp is
+  # then between trainer-temperature distributions, and the mismatch_k1 /
+  # mismatch_k3 metrics include the temperature gap. With
+  # train.use_rollout_correction the TIS/MIS weights exp(old_logp -
+  # rollout_logp) correct the samples towards the trainer's distribution
+  # (truncated, so the correction is partial when the temperatures differ a
+  # lot); without it the update is the trainer-temperature policy gradient
+  # evaluated on the sampler's draws (biased towards the sampler's modes).
+  c.train.temperature = 0.0
   # Cosine decay length in optimizer updates; 0 = the run's total updates
   # (rl.iterations x train.ppo_epochs x train.mini_batches), so any run length
   # decays to its end. A number > 0 is used as given.
@@ -177,8 +199,8 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # samples G + 1 and drops one pivot per group, so G must be even there.
   c.rl.num_samples = 8
   c.rl.baseline = "grpo"  # grpo | drgrpo | rloo | median
-  # Sampling temperature of the rollouts, also the train step's temperature
-  # (the trainer's log-probs use the same softmax the sampler sampled from).
+  # Sampling temperature of the rollouts; also the train step's unless
+  # train.temperature is set.
   c.rl.temperature = 1.0
   # Run each iteration as ONE jitted function (rlx.rl.make_rl_step: sample ->
   # JAX reward -> advantages -> log-probs -> update) when the task has a JAX
@@ -248,6 +270,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """
   import_user_code(config)
   check_fields(config)
+  _cache.compilation_cache_dir(config.get("compilation_cache_dir", ""))
   rl = config.rl
   if not isinstance(config.model.remat, bool):
     raise ValueError(f"`config.model.remat` must be a bool, got {config.model.remat!r}.")
@@ -289,6 +312,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
       f"`config.rl.temperature` must be > 0 for RL rollouts, got {rl.temperature!r}."
     )
+  if not (isinstance(config.train.temperature, (int, float)) and config.train.temperature >= 0):
+    raise ValueError(
+      "`config.train.temperature` must be a number >= 0 (0 = the rollout's rl.temperature), "
+      f"got {config.train.temperature!r}."
+    )
   for name in ("max_steps", "batch_size", "eval_every"):
     value = config.warmup[name]
     if not isinstance(value, int) or value < 1:
@@ -313,14 +341,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def train_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The `rlx.train` config of the run: `config.train` with the rollout temperature.
+  """The `rlx.train` config of the run: `config.train` with its temperature resolved.
+
+  `train.temperature = 0` becomes `rl.temperature` (the trainer's softmax is
+  the sampler's).
 
   `optimizer.decay_steps = 0` becomes the run's total optimizer updates
   (`rl.iterations x ppo_epochs x mini_batches`; at least `warmup_steps + 1`,
   so a run shorter than the LR warm-up still has a valid schedule).
   """
   cfg = ml_collections.ConfigDict(config.train.to_dict())
-  cfg.temperature = float(config.rl.temperature)
+  cfg.temperature = float(config.train.temperature or config.rl.temperature)
   if not cfg.optimizer.decay_steps:
     total = int(config.rl.iterations) * train.updates_per_step(cfg)
     cfg.optimizer.decay_steps = max(total, int(cfg.optimizer.warmup_steps) + 1)

@@ -57,7 +57,8 @@ class Learner:
 
   Attributes:
     group_size: K, samples per prompt (G, or G + 1 for the median baseline).
-    train_config: the `rlx.train` config (temperature = the rollout's).
+    train_config: the `rlx.train` config (`rlx.rl.train_config`: its temperature is
+      `train.temperature`, or the rollout's when that is 0).
     compute_logprobs, train_step: from `rlx.train`.
     uses_ref: whether a reference policy (KL) is needed.
   """

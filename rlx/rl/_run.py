@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 
 from rlx import objectives, policy, tasks, train
-from rlx.rl import _config, _data, _evaluate, _learner, _logging, _rollout, _warmstart
+from rlx.rl import _cache, _config, _data, _evaluate, _learner, _logging, _rollout, _warmstart
 
 SUPERVISED_NOTE = (
   "Note: supervised training on the gold answers alone could also solve this task; the "
@@ -191,6 +191,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   (`workdir/config.json`; `config.log`, `imports` and `warmup.init_from`
   aside) is refused with a ValueError naming the fields, so a run's record is
   never rewritten under another config. `config.imports` are imported first.
+  With `config.compilation_cache_dir` (or `$RLX_COMPILATION_CACHE_DIR`) set,
+  JAX's persistent compilation cache is turned on for the process first.
 
   Args:
     config: the RL config (`rlx.rl.get_config()` or an experiments config).
@@ -201,6 +203,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """
   _config.validate_config(config)
   wall_start = time.perf_counter()
+  cache_dir = _cache.compilation_cache_dir(config.get("compilation_cache_dir", ""))
+  if cache_dir:
+    _cache.enable_compilation_cache(cache_dir)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   finished = _check_workdir(config, workdir)
@@ -216,7 +221,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   k = _config.samples_per_prompt(config)
   rows = int(config.rl.prompts_per_iteration) * k
   rollout_kwargs = _rollout.sampler_kwargs(config, task, rows=rows, greedy=False)
-  eval_batch = min(max(config.eval.test_examples, config.eval.dev_examples, 1), 512)
+  dev = _subset(task.split("dev"), config.eval.dev_examples)
+  test = _subset(task.split("test"), config.eval.test_examples)
+  # The greedy sampler is sized for the dev set, evaluated every eval.every
+  # iterations and every warmup.eval_every steps (its cost grows with its
+  # slots); the test set, evaluated twice, runs in chunks of that size.
+  eval_batch = min(max(len(dev) or len(test), 1), 512)
   eval_kwargs = _rollout.sampler_kwargs(config, task, rows=eval_batch, greedy=True)
   # Slots are split over the mesh's batch axes: round up to a multiple of them.
   shards = train.batch_axis_size(mesh)
@@ -224,8 +234,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   sampler = _rollout.make_sampler(model_config, rollout_kwargs, mesh)
   eval_sampler = _rollout.make_sampler(model_config, eval_kwargs, mesh)
   seq_len = rollout_kwargs["max_prompt_len"] + rollout_kwargs["max_new_tokens"]
-  dev = _subset(task.split("dev"), config.eval.dev_examples)
-  test = _subset(task.split("test"), config.eval.test_examples)
 
   greedy = _logging.note_first_call(
     _evaluate.greedy_accuracy, "the greedy evaluation sampler", enabled=notes
