@@ -171,13 +171,20 @@ def run_sweep(
 
 
 def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
-  """Markdown table: per grid point, mean (min..max) over seeds."""
+  """Markdown table: per grid point, mean (min..max) over seeds, and the paired difference.
+
+  The last column compares each point with the first one seed by seed (same
+  seed, hence the same warm-up when it is shared): the mean improvement
+  difference in points, its sample standard deviation over the seeds both
+  points ran, and that number of seeds.
+  """
   lines = [
     "| config | loss | baseline | seeds | accuracy before | accuracy after | improvement (points) "
-    "| wall time (s) |",
-    "|---|---|---|---|---|---|---|---|",
+    "| vs first point, paired (points) | wall time (s) |",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
   points = list(dict.fromkeys(r["point"] for r in rows))
+  first = {r["seed"]: r["improvement_points"] for r in rows if r["point"] == points[0]}
   for p in points:
     rs = [r for r in rows if r["point"] == p]
 
@@ -189,11 +196,17 @@ def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
         f"{format(statistics.mean(vals), fmt)} ({format(min(vals), fmt)}..{format(max(vals), fmt)})"
       )
 
+    diffs = [r["improvement_points"] - first[r["seed"]] for r in rs if r["seed"] in first]
+    if p == points[0] or not diffs:
+      paired = "-"
+    else:
+      sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+      paired = f"{statistics.mean(diffs):+.1f} ± {sd:.1f} (n={len(diffs)})"
     names = {k: ", ".join(sorted({str(r.get(k)) for r in rs})) for k in ("loss", "baseline")}
     lines.append(
       f"| {p} | {names['loss']} | {names['baseline']} | {len(rs)} | "
       f"{cell('accuracy_before', '.3f')} | {cell('accuracy_after', '.3f')} | "
-      f"{cell('improvement_points', '+.1f')} | {cell('wall_time_s', '.0f')} |"
+      f"{cell('improvement_points', '+.1f')} | {paired} | {cell('wall_time_s', '.0f')} |"
     )
   return "\n".join(lines)
 

@@ -77,11 +77,17 @@ def make_sft_step(model_config: Any, train_cfg: ml_collections.ConfigDict) -> Ca
 
 @functools.lru_cache(maxsize=8)
 def _sft_step(model_config: Any, train_cfg_json: str) -> Callable:
-  optimizer = train.make_optimizer(ml_collections.ConfigDict(json.loads(train_cfg_json)))
+  cfg = ml_collections.ConfigDict(json.loads(train_cfg_json))
+  optimizer = train.make_optimizer(cfg)
+  # As in rlx.train's step: the layers unrolled in the differentiated forward
+  # of a shallow model (no stacked per-layer residuals in the backward pass).
+  unroll = int(model_config.num_layers) <= int(cfg.unroll_max_layers)
 
   def step(state: train.TrainState, batch: dict):
     def loss_fn(params):
-      logp, _ = policy.token_logprobs(params, model_config, batch["tokens"], batch["loss_mask"])
+      logp, _ = policy.token_logprobs(
+        params, model_config, batch["tokens"], batch["loss_mask"], unroll=unroll
+      )
       mask = batch["loss_mask"]
       return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 

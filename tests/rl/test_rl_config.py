@@ -171,5 +171,12 @@ def test_sweep_grid_and_table():
     }
     for s, a in ((0, 0.7), (1, 0.8))
   ]
-  table = rl.sweep_table(rows)
+  other = [
+    dict(r, point="loss=cispo", loss="cispo", accuracy_after=b, improvement_points=100 * (b - 0.3))
+    for r, b in zip(rows, (0.6, 0.9), strict=True)
+  ]
+  table = rl.sweep_table(rows + other)
   assert "| loss=ppo | ppo | grpo | 2 | 0.300 (0.300..0.300) | 0.750 (0.700..0.800) |" in table
+  # Paired with the first point seed by seed: -10 and +10 points -> mean 0, sd 14.1.
+  assert "| +45.0 (+30.0..+60.0) | +0.0 ± 14.1 (n=2) | 100 (100..100) |" in table
+  assert "| +45.0 (+40.0..+50.0) | - | 100 (100..100) |" in table
