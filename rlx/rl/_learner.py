@@ -235,9 +235,29 @@ class RLStep:
 
   def from_examples(self, state, ref_params, examples: Sequence[Any], rng):
     """Calls the step on a list of task examples (padding prompts and answers)."""
+    return self(state, ref_params, *self._example_arrays(examples), rng)
+
+  def compile_from_examples(self, state, ref_params, examples: Sequence[Any], rng) -> None:
+    """Compiles the step for these arguments' shapes without running it (ahead of time).
+
+    `state` and `ref_params` may be trees of `jax.ShapeDtypeStruct` with
+    shardings (e.g. `rlx.train.abstract_train_state(...)` and its `.params`),
+    so the program can compile while the params it will run on are still
+    being trained (the RL loop compiles it during the supervised warm-up, in
+    a thread: XLA's compile releases the GIL). A later call with arguments of
+    the same shapes, dtypes and shardings runs this executable instead of
+    compiling again. With FP8 KV the scales' shapes are read from `self.fp8`,
+    which must hold scales already.
+    """
+    args = (state, ref_params, *self._example_arrays(examples), rng)
+    if self.fp8 is not None:
+      args = (*args, self.fp8.generate_kwargs().get("kv_scales"))
+    self.jitted.lower(*args).compile()
+
+  def _example_arrays(self, examples: Sequence[Any]):
     tokens, lengths = _rollout.pad_prompts([e.prompt_ids for e in examples], self.width)
     ids, alen = self.learner.task.answer_arrays(examples)
-    return self(state, ref_params, tokens, lengths, ids, alen, rng)
+    return tokens, lengths, ids, alen
 
 
 def _check_not_aliased(ref_params: Any, state: Any) -> None:

@@ -10,6 +10,7 @@ Workdir layout:
   summary.json   accuracy_before, accuracy_after, wall_time_s, iterations, config, ...
 """
 
+import concurrent.futures
 import json
 import math
 import os
@@ -253,6 +254,34 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   base_key = jax.random.PRNGKey(config.seed)
   rollout_key = jax.random.fold_in(base_key, 1)
 
+  partial = float(config.rollout.over_provision) > 1.0
+  # FP8 rollout: one refresh object (rollout params + KV scales) for every path.
+  fp8 = _rollout.make_fp8_refresh(sampler)
+  fused = bool(
+    not partial
+    and config.rl.fused
+    and learner.jax_reward is not None
+    and hasattr(sampler, "generate_fn")
+    and rows <= rollout_kwargs["max_slots"]
+  )
+  rl_step = _learner.make_rl_step(learner, sampler, fp8=fp8) if fused else None
+  train_examples = task.split("train")
+  # The fused RL program compiles in a thread while the warm-up trains (its
+  # inputs' shapes and shardings are known before the params are): the first
+  # RL iteration then runs it instead of compiling. Not with FP8 KV, whose
+  # scales exist only after the warm-up.
+  ahead = None
+  if fused and (fp8 is None or not fp8.kv_fp8):
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlx-compile")
+    ahead = pool.submit(
+      rl_step.compile_from_examples,
+      abstract,
+      abstract.params if learner.uses_ref else None,
+      train_examples[: int(config.rl.prompts_per_iteration)],
+      jax.random.fold_in(rollout_key, 0),
+    )
+    pool.shutdown(wait=False)  # the thread ends with its one task
+
   # --- warm-up (this run's, cached; or reused from another run) ---
   warm = _warmstart.warm_start(
     config,
@@ -301,8 +330,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   del start_state
   start = int(cursor["iteration"])
   elapsed_before = float(cursor.get("elapsed_s", 0.0))
-  partial = float(config.rollout.over_provision) > 1.0
-  train_examples = task.split("train")
   source = _data.PromptSource(
     train_examples,
     # Partial rollouts pull a varying number of prompts one by one (the same stream).
@@ -310,8 +337,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     seed=int(config.seed) + 1,
     cursor=cursor["source"],
   )
-  # FP8 rollout: one refresh object (rollout params + KV scales) for every path.
-  fp8 = _rollout.make_fp8_refresh(sampler)
   if fp8 is not None and fp8.kv_fp8:
     if kv_state:
       fp8.load_state_dict(kv_state)
@@ -355,14 +380,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       out.append((index_of[id(e)], e.prompt_ids))
     return out
 
-  fused = bool(
-    not partial
-    and config.rl.fused
-    and learner.jax_reward is not None
-    and hasattr(sampler, "generate_fn")
-    and rows <= rollout_kwargs["max_slots"]
-  )
-  rl_step = _learner.make_rl_step(learner, sampler, fp8=fp8) if fused else None
   # One note per first compile: the first RL iteration compiles the rollout,
   # log-prob and train programs (or the one fused program).
   what = "the fused RL iteration (sampler + reward + train step)"
@@ -398,6 +415,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       state, metrics, _ = learner.iteration(state, ref_params, rollout, examples, rng)
     return state, metrics
 
+  if ahead is not None:
+    waited = time.perf_counter()
+    try:
+      ahead.result()
+    except Exception as e:  # noqa: BLE001 (the first call compiles it and raises what is wrong)
+      warnings.warn(
+        f"Compiling {what} ahead of time failed ({type(e).__name__}: {e}); it compiles at "
+        "its first call instead.",
+        stacklevel=2,
+      )
+    else:
+      if notes:
+        _logging.note(
+          f"rlx: {what} compiled during the warm-up (waited "
+          f"{time.perf_counter() - waited:.1f} s more for it)"
+        )
+    ahead = None
   iterate = _logging.note_first_call(one_iteration, what, enabled=notes)
   log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
   total = int(config.rl.iterations)

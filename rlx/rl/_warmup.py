@@ -8,6 +8,7 @@ usual "SFT then RL" recipe (DeepSeek-R1, https://arxiv.org/abs/2501.12948),
 kept deliberately short so that RL has most of the task left to learn.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -137,16 +138,29 @@ def supervised_warmup(
   cfg.optimizer.learning_rate = float(w.learning_rate)
   cfg.max_grad_norm = 1.0
   state = train.create_train_state(params, model_config, cfg, mesh, rng=jax.random.PRNGKey(seed))
-  step_fn = wrap_step(make_sft_step(model_config, cfg))
+  jitted = make_sft_step(model_config, cfg)
+  step_fn = wrap_step(jitted)
   source = _data.PromptSource(task.split("train"), batch_size=int(w.batch_size), seed=seed)
+
+  def next_batch():
+    return train.shard_batch(sft_batch(source.next_batch(), seq_len), mesh)
+
+  batch = next_batch()
+  # The step compiles in a thread while the first dev evaluation (and its
+  # sampler's compile) runs: XLA's compile releases the GIL.
+  pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlx-compile")
+  ahead = pool.submit(lambda: jitted.lower(state, batch).compile())
+  pool.shutdown(wait=False)
   history = []
   accuracy = evaluate(state.params)
   history.append({"step": 0, "loss": None, "dev_accuracy": accuracy})
   log(history[-1])
+  ahead.result()
   steps = 0
   loss = jnp.nan
   while accuracy < w.target_dev_accuracy and steps < w.max_steps:
-    batch = train.shard_batch(sft_batch(source.next_batch(), seq_len), mesh)
+    if steps:
+      batch = next_batch()
     state, loss = step_fn(state, batch)
     steps += 1
     if steps % w.eval_every == 0 or steps == w.max_steps:
