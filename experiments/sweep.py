@@ -16,6 +16,7 @@ the plot to `<workdir>/sweep.png`, the rows to `<workdir>/sweep.json`.
 
 import json
 import os
+import shlex
 import shutil
 import sys
 
@@ -39,6 +40,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlx_sweep", "Root output directo
 _OUT = flags.DEFINE_string(
   "out", "", "Also write the table (with the rerun command) to this markdown file, the plot beside."
 )
+_NOTE = flags.DEFINE_string(
+  "note", "", "A paragraph for the --out file (e.g. the machine's load while the runs ran)."
+)
 
 
 def main(argv):
@@ -58,7 +62,7 @@ def main(argv):
     f.write(table + "\n")
   with open(os.path.join(_WORKDIR.value, "sweep.json"), "w") as f:
     json.dump(rows, f, indent=2)
-  rerun = "python experiments/sweep.py " + " ".join(sys.argv[1:])
+  rerun = "python experiments/sweep.py " + shlex.join(sys.argv[1:])
   print(table)
   print(f"plot: {plot}")
   print(f"Rerun: {rerun}")
@@ -72,7 +76,8 @@ def main(argv):
         f"Config {os.path.relpath(flags.FLAGS['config'].config_filename)}; wall time per run "
         f"as `rlx.rl.run` reports it; 1-minute load average at the end {load:.1f} on "
         f"{os.cpu_count()} cores. Plot: {os.path.basename(out_plot)}.\n\n"
-        f"{table}\n\nRerun: `{rerun}`\n"
+        + (f"{_NOTE.value}\n\n" if _NOTE.value else "")
+        + f"{table}\n\nRerun: `{rerun}`\n"
       )
 
 
