@@ -62,7 +62,8 @@ def main(argv):
     f.write(table + "\n")
   with open(os.path.join(_WORKDIR.value, "sweep.json"), "w") as f:
     json.dump(rows, f, indent=2)
-  rerun = "python experiments/sweep.py " + shlex.join(sys.argv[1:])
+  args = [a for a in sys.argv[1:] if not a.startswith(("--note=", "-note="))]  # not a setting
+  rerun = "python experiments/sweep.py " + shlex.join(args)
   print(table)
   print(f"plot: {plot}")
   print(f"Rerun: {rerun}")

@@ -34,16 +34,16 @@ def get_config():
   # with that loss's defaults, not PPO's values under the same keyword names.
   c.train.loss = "ppo"
   # AdamW: 10-update linear warmup then cosine decay to 0.1 x peak at the last
-  # update. The warmed-up policy is flat (it samples the right answer ~6% of
-  # the time at T = 0.7 while its greedy accuracy is 30%), so the gradient is
-  # mostly noise and Adam moves every weight by ~lr per update: peak 5e-4 made
-  # the greedy accuracy collapse on some seeds, 1e-3 on all; 2e-4 with the KL
-  # anchor below does not (experiments/results/rl_arithmetic_seeds.md).
-  c.train.optimizer.learning_rate = 2e-4
+  # update. Peak 5e-4: over 100 iterations and 3 seeds, 2e-4 gained +29.3
+  # points (main_job_ablation_temperature_schedule.md, base row), 5e-4 +42.1
+  # and 1e-3 +44.1 (main_job_ablation_lr_b2.md; all in experiments/results/).
+  # At 1e-3 the KL to the reference spikes early and four updates per batch
+  # collapse a seed (main_job_ablation_minibatches.md): 5e-4 keeps a margin.
+  c.train.optimizer.learning_rate = 5e-4
   c.train.optimizer.schedule = "warmup_cosine"
   c.train.optimizer.warmup_steps = 10
   # decay_steps = 0 (rl.get_config's default): the run's total updates,
-  # rl.iterations x mini_batches = 800 here.
+  # rl.iterations x mini_batches = 200 here.
   c.train.optimizer.end_lr_ratio = 0.1
   c.train.max_grad_norm = 1.0
   # Two optimizer updates per rollout batch (PPO mini-batches of 256 rows; the
@@ -51,7 +51,8 @@ def get_config():
   # about the same compute, +11 points on the slowest seed at 400 iterations.
   c.train.mini_batches = 2
   # k3 ("low_var_kl") KL to the warmed-up policy: an anchor against drifting
-  # away on noisy updates (the loop computes the reference log-probs).
+  # away on noisy updates (the loop computes the reference log-probs); without
+  # it the policy collapses to 0 accuracy (main_job_ablation_kl.md).
   c.train.kl_coef = 0.05
   c.train.kl_kind = "low_var_kl"
   c.train.use_rollout_correction = False  # TIS/MIS on old vs rollout log-probs
@@ -59,15 +60,17 @@ def get_config():
   c.rl.baseline = "grpo"  # grpo | drgrpo | rloo | median
   c.rl.num_samples = 8  # G
   c.rl.prompts_per_iteration = 64
-  c.rl.iterations = 400
-  # Rollout temperature (also the trainer's). The warmed-up policy is flat (per-
-  # token entropy ~0.9 nats at 30% greedy accuracy), so at T = 1.0 (or 0.7) few
-  # samples are right and most groups carry no signal; T = 0.5 samples the
-  # answer far more often and learns faster on every measured seed.
-  c.rl.temperature = 0.5
+  c.rl.iterations = 100
+  # Rollout temperature (also the trainer's: train.temperature = 0). The
+  # warmed-up policy is flat (per-token entropy ~0.7 nats at T = 0.5 at 30%
+  # greedy accuracy; ~9% of T = 0.5 samples are right), so at T = 1.0 (or 0.7)
+  # few samples are right and most groups carry no signal. T = 0.35 gained
+  # +4.5 +/- 6.6 points over 0.5 (2 seeds, main_job_ablation_temperature.md).
+  # Training at T = 1 on T = 0.5 samples (train.temperature = 1.0) gained
+  # -3.1 +/- 0.9 points (3 seeds, main_job_ablation_temperature_schedule.md).
+  c.rl.temperature = 0.35
   # No wall-clock cap (rl.max_time_s = 0): the result must not depend on the
-  # machine's load; 400 iterations take ~3-4 minutes on an idle 2-core machine
-  # (~0.4-0.5 s / iteration). Set rl.max_time_s to cap the RL phase.
+  # machine's load. Set rl.max_time_s to cap the RL phase.
   c.rl.max_time_s = 0.0
   # Warm-up: stop at 30% dev greedy accuracy (safety cap in steps).
   c.warmup.target_dev_accuracy = 0.3
