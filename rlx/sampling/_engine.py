@@ -27,12 +27,17 @@ with the stacked pool in the scan carry: the attention hook writes the
 step's K/V into layer i with `write_kv_pages(..., layer=i)` (an in-place
 scatter) and reads the slots' pages with `paged_attention` (a gather of the
 used pages fused with the layer index; no copy of the pool), (3) samples in
-float32 on `[S, V]`, (4) releases the pages of finished slots (reference
-counts; pages reaching 0 go back on the free stack).
+float32 on `[S, V]`. A finished slot keeps its pages until the window
+ends: the host releases them (`rlx.sampling._pages.PageManager.release`), so
+the device never pushes pages back on the free stack (a reference-count
+scatter-add, a prefix count over the pool and a scatter per step: about a
+fifth of the decode loop's compile time on CPU), and a page of a slot finished in a window is
+reused from the next window on.
 """
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -43,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlx import kernels_pallas, policy
 from rlx._mesh_axes import BATCH_AXES, TENSOR_AXIS
 from rlx.sampling._config import SamplerConfig
-from rlx.sampling._sample import sample_keys, sample_tokens
+from rlx.sampling._sample import sample_from_uniforms, sample_uniforms
 
 
 class KVPool(NamedTuple):
@@ -114,6 +119,28 @@ def empty_slots(num_slots: int, max_new_tokens: int) -> SlotState:
 _UNROLL_MAX_LAYERS = 16
 
 
+def _prefix_sums(x):
+  """Inclusive prefix sums of an int array along its last axis, in two levels of masked sums.
+
+  The last axis is cut into blocks of ~sqrt(n); each block's prefix sums and the
+  blocks' exclusive offsets are masked sums (`sum_j [j <= i] x_j`), which XLA fuses
+  into a few elementwise-reduce kernels, where `jnp.cumsum` (a reduce-window)
+  becomes about ten kernels on XLA:CPU once n > 16. O(n^1.5) work; integer sums are
+  exact in any order.
+  """
+  *lead, n = x.shape
+  b = 1 << max(0, math.ceil(math.log2(math.sqrt(n))))
+  nb = -(-n // b)
+  xb = jnp.pad(x, [(0, 0)] * len(lead) + [(0, nb * b - n)]).reshape(*lead, nb, b)
+  i = jnp.arange(b)
+  zero = jnp.zeros((), x.dtype)
+  within = jnp.sum(jnp.where(i[None, :] <= i[:, None], xb[..., None, :], zero), axis=-1)
+  k = jnp.arange(nb)
+  total = within[..., -1]  # [..., nb]
+  before = jnp.sum(jnp.where(k[None, :] < k[:, None], total[..., None, :], zero), axis=-1)
+  return (within + before[..., None]).reshape(*lead, nb * b)[..., :n]
+
+
 def stop_id_slots(num_stop_ids: int) -> int:
   """Stop ids are padded with -1 to a multiple of 8, at least 8 (0..8 stop ids share a compile)."""
   return max(1, -(-num_stop_ids // 8)) * 8
@@ -160,6 +187,12 @@ class Engine:
     self.pages_per_sequence = config.pages_per_sequence
     self.greedy = config.temperature == 0.0
     self.use_top_p = config.top_p < 1.0
+    # When no row can need a second prefill chunk (the longest prefill, a preempted or
+    # resumed row's prompt + generated tokens less the one fed to decode, fits in one),
+    # every prefill call starts at position 0: prefill then traces `start` as that
+    # constant, and XLA drops the attention to earlier pages (a `lax.cond` branch of
+    # `paged_prefill_attention`) before compiling: a third less prefill compile time.
+    self.single_chunk = config.max_prompt_len + config.max_new_tokens - 2 <= config.prefill_chunk
     # Decode runs its layers unrolled (static weight slices, hoisted out of the decode
     # loop) up to this depth; deeper models keep the one-block scan (compile time).
     self._unroll = model_config.num_layers <= _UNROLL_MAX_LAYERS
@@ -264,10 +297,13 @@ class Engine:
 
     tokens i32[B, C]: row b holds tokens at positions start[b] + [0, num_new[b]);
     page_table i32[B, pps]: the row's pages (allocated for those positions).
-    Rows with num_new = 0 are padding (nothing written).
+    Rows with num_new = 0 are padding (nothing written). With `single_chunk`
+    every start is 0 (the values passed are ignored).
     """
     model = self.model
     c = tokens.shape[1]
+    if self.single_chunk:
+      start = jnp.zeros_like(start)  # a constant: see `single_chunk`
     positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
 
     def hook(i, q, k, v, pool, *, positions, segment_ids):
@@ -302,7 +338,7 @@ class Engine:
     num_pages = pages.refcount.shape[0]
     num_slots, pps = pages.page_table.shape
     need = slots.active & (slots.length % page_size == 0)
-    rank = jnp.cumsum(need.astype(jnp.int32)) - 1
+    rank = _prefix_sums(need.astype(jnp.int32)) - 1
     ok = need & (rank < pages.num_free)
     new_page = pages.free_stack[jnp.clip(pages.num_free - 1 - rank, 0, num_pages - 1)]
     column = jnp.where(ok, slots.length // page_size, pps)  # pps: dropped
@@ -311,24 +347,6 @@ class Engine:
     num_free = pages.num_free - jnp.sum(ok.astype(jnp.int32))
     return PageState(table, refcount, pages.free_stack, num_free), need & ~ok
 
-  def _release(self, pages: PageState, done, length):
-    """Drops the references of finished slots; pages reaching 0 go back on the free stack."""
-    page_size = self.config.page_size
-    num_pages = pages.refcount.shape[0]
-    pps = pages.page_table.shape[1]
-    used = jnp.arange(pps)[None, :] < ((length + page_size - 1) // page_size)[:, None]
-    drop = done[:, None] & used  # [S, pps]
-    index = jnp.where(drop, pages.page_table, num_pages)
-    refcount = pages.refcount.at[index].add(-1, mode="drop")
-    touched = jnp.zeros((num_pages,), bool).at[index].set(True, mode="drop")
-    freed = touched & (refcount == 0)
-    order = pages.num_free + jnp.cumsum(freed.astype(jnp.int32)) - 1
-    free_stack = pages.free_stack.at[jnp.where(freed, order, num_pages)].set(
-      jnp.arange(num_pages, dtype=jnp.int32), mode="drop"
-    )
-    num_free = pages.num_free + jnp.sum(freed.astype(jnp.int32))
-    return PageState(pages.page_table, refcount, free_stack, num_free)
-
   def _step(self, params, pool, pages, slots, rng, k_scale, v_scale, knobs, allocate):
     """One decode step for all slots; returns (pool, pages, slots, blocked, done)."""
     cfg, model = self.config, self.model
@@ -336,7 +354,7 @@ class Engine:
       pages, blocked = self._allocate(pages, slots)
     else:
       blocked = jnp.zeros_like(slots.active)
-    in_use = pages.refcount.shape[0] - pages.num_free  # after allocation, before release
+    in_use = pages.refcount.shape[0] - pages.num_free  # after allocation
     run = slots.active & ~blocked
     length = slots.length
     table = pages.page_table
@@ -360,10 +378,12 @@ class Engine:
     )
     hidden = policy.final_norm(params, model, x[:, 0])
     logits = policy.logits_from_hidden(params, model, hidden)  # f32[S, V]
-    keys = sample_keys(rng, slots.prompt_index, slots.sample_index, slots.num_generated)
-    token, logp = sample_tokens(
+    u = None
+    if not self.greedy:
+      u = sample_uniforms(rng, slots.prompt_index, slots.sample_index, slots.num_generated)
+    token, logp = sample_from_uniforms(
       logits,
-      keys,
+      u,
       temperature=0.0 if self.greedy else knobs.temperature,
       top_k=cfg.top_k,
       top_p=knobs.top_p if self.use_top_p else 1.0,
@@ -389,8 +409,6 @@ class Engine:
       tokens=tokens,
       logprobs=logprobs,
     )
-    if allocate:
-      pages = self._release(pages, done, length)
     return pool, pages, slots, blocked, done, in_use
 
   def _decode_loop(self, params, pool, pages, slots, rng, k_scale, v_scale, knobs, *, allocate):

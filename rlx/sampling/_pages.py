@@ -5,8 +5,8 @@ https://arxiv.org/abs/2309.06180; vLLM's `BlockSpaceManager` under its
 `Scheduler`): it owns the host copy of `PageState` between decode windows and
 every page edit made at a scheduling point. The decode loop edits the same
 state on device (`rlx.sampling._engine`: a page popped per slot crossing a page
-boundary, the pages of finished slots released), and `load` takes its result
-back.
+boundary; finished slots keep their pages until the host releases them after
+the window), and `load` takes its result back.
 
 - Pages: P pages of `page_size` tokens; free pages are `free_stack[:num_free]`,
   popped from the top (LIFO) and pushed back when their reference count drops
@@ -138,10 +138,6 @@ class PageManager:
   def release(self, slot: int, length: int):
     """Drops slot `slot`'s references to the pages of its `length` cached tokens."""
     self.decref([int(p) for p in self.table[slot, : self.pages_for(length)]])
-    self.table[slot] = 0
-
-  def clear(self, slot: int):
-    """Empties row `slot` of the page table (its pages were released on device)."""
     self.table[slot] = 0
 
   # --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ Pool size: the same work with `num_pages` scaled (a decode step gathers only
 the pages its slots' tables name, so its cost follows the tokens).
 """
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -120,7 +121,10 @@ class Sampler:
     self.model_config = model_config
     self.config = config
     self.mesh = mesh
-    self._engine = engine_for(model_config, compile_key(config), mesh)
+    key = compile_key(config)
+    if key.top_k >= model_config.vocab_size:  # top-k over the whole vocabulary is off
+      key = dataclasses.replace(key, top_k=0)
+    self._engine = engine_for(model_config, key, mesh)
     self._pool = None
 
   def _knobs(self, max_steps: int, exit_after: int):
@@ -157,7 +161,7 @@ class Sampler:
           f"`kv_scales` (k_scale, v_scale) are required for kv_dtype={self.config.kv_dtype!r}: "
           "K = page * k_scale (e.g. rlx.policy.kv_absmax(...) / headroom)."
         )
-      ones = jnp.ones(shape, jnp.float32)
+      ones = np.ones(shape, np.float32)  # host array: no device program to compile
       return ones, ones
     if not isinstance(kv_scales, tuple | list) or len(kv_scales) != 2:
       raise ValueError("`kv_scales` must be a pair (k_scale, v_scale) of float arrays.")
@@ -420,6 +424,8 @@ class Sampler:
       max_slots=self.config.max_slots,
       pages_per_sequence=eng.pages_per_sequence,
     ):
+      if eng.single_chunk and call.start.any():
+        raise RuntimeError("internal: a prefill call past the first chunk of a single-chunk config")
       pool = eng.prefill(params, pool, *call, k_scale, v_scale)
       stats["prefill_calls"] += 1
       stats["prefill_tokens"] += int(call.num_new.sum())
@@ -504,7 +510,7 @@ class Sampler:
     params = self._check_params(params)
     if not isinstance(prompt_tokens, jax.core.Tracer):
       policy.check_tokens(prompt_tokens, self.model_config.vocab_size, "prompt_tokens")
-    k_scale, v_scale = self._kv_scales(kv_scales)
+    k_scale, v_scale = (jnp.asarray(s) for s in self._kv_scales(kv_scales))
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     lengths = jnp.clip(jnp.asarray(prompt_lengths, jnp.int32), 1, t)
     m = lengths - 1  # tokens prefilled; the last prompt token is fed to decode

@@ -299,9 +299,9 @@ class Scheduler:
   def end_window(self, pages: PageState, slots: SlotState, info: LoopInfo):
     """Takes a window's result (host arrays) and makes room for its blocked slots.
 
-    Finished requests leave their slots; if the blocked slots need more pages
-    than are free, the prompt holders are dropped, then the newest running
-    sequences preempted until they fit.
+    Finished requests leave their slots and their pages are released; if the
+    blocked slots need more pages than are free, the prompt holders are
+    dropped, then the newest running sequences preempted until they fit.
     """
     self.pages.load(pages)
     self.slots = SlotState(*(np.array(x) for x in slots))
@@ -312,8 +312,8 @@ class Scheduler:
       if req is not None and not self.slots.active[s]:
         self._take_back(s, req)
         req.finish_reason = "stop" if self.slots.stopped[s] else "length"
-        self.slot_req[s] = None  # pages were released on device
-        self.pages.clear(s)
+        self.slot_req[s] = None
+        self.pages.release(s, int(self.slots.length[s]))  # the device keeps them to the end
     blocked = [s for s, r in enumerate(self.slot_req) if info.blocked[s] and r is not None]
     if len(blocked) > self.pages.num_free and self.pages.holders:
       self.pages.drop_holders()  # held prompt pages go before running sequences

@@ -84,6 +84,10 @@ def test_gsm8k_hf_config_runs_on_a_mesh(checkpoint, tmp_path):
   c.log.progress_bar = False
   c.log.print_summary = False
   c.log.plots = False
+  # A random checkpoint rarely answers right, so every group can have zero advantage and
+  # a zero policy gradient: a small entropy bonus gives the updates a reward-free
+  # gradient, so the check that they moved the params does not hang on a lucky sample.
+  c.train.entropy_coef = 0.01
   summary = rl.run(c, str(tmp_path))
   assert summary["iterations"] == 2 and summary["task"] == "gsm8k"
   # The config's bfloat16 params are what trained, and the two updates moved them.
@@ -105,7 +109,7 @@ def test_gsm8k_hf_config_runs_on_a_mesh(checkpoint, tmp_path):
   steps = [r for r in rows if r.get("phase") == "rl"]
   assert [r["iteration"] for r in steps] == [1, 2]
   for r in steps:
-    assert r["tokens"] > 0 and math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+    assert r["tokens"] > 0 and math.isfinite(r["loss"]) and r["grad_norm"] > 0
     # A bfloat16 model samples and scores in bfloat16: the mismatch is measured, not zero.
     assert np.isfinite(r["mismatch_k3"])
   assert os.listdir(tmp_path / "checkpoints")

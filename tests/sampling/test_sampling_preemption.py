@@ -6,8 +6,9 @@ rng, so the same tokens: a sample's keys depend only on (prompt, sample,
 position)), a row generated alone, or the trainer's teacher-forced log-probs.
 A wrapper around the engine's decode checks the page state going into and
 coming out of every decode window (no page free twice, none leaked, reference
-counts = slot references + at most one prompt holder's) and that the pool is
-whole again after the last window.
+counts = slot references (running slots, and slots finished in the window,
+whose pages the host releases after it) + at most one prompt holder's) and
+that the pool is whole again once the last window's finished slots are released.
 
 Same tiny model as tests/sampling/test_sampling_sampler.py (so the engines of
 matching configs are shared in one session).
@@ -57,12 +58,22 @@ def samplers():
   }
 
 
-def _check_pages(pages, slots, page_size: int) -> int:
+def _slot_refs(table, slots, mask, page_size: int, num_pages: int) -> np.ndarray:
+  """References of the slots in `mask`: their first ceil(length / page_size) table entries."""
+  refs = np.zeros(num_pages, np.int64)
+  length = np.asarray(slots.length)
+  for s in np.nonzero(mask)[0]:
+    np.add.at(refs, table[s, : -(-int(length[s]) // page_size)], 1)
+  return refs
+
+
+def _check_pages(pages, slots, page_size: int, finished=None) -> int:
   """Asserts a consistent page state; returns the largest reference count.
 
   Every page is either on the free stack (once, reference count 0) or referenced;
   a page's count is the active slots whose first ceil(length / page_size) table
-  entries name it, plus at most one prompt holder.
+  entries name it, plus the slots that finished in the window just run (`finished`:
+  the host releases their pages after it), plus at most one prompt holder.
   """
   table, refcount, free_stack, num_free = (np.asarray(x) for x in pages)
   num_pages = refcount.size
@@ -71,12 +82,9 @@ def _check_pages(pages, slots, page_size: int) -> int:
   assert np.unique(free).size == num_free, "a page is on the free stack twice"
   assert (refcount >= 0).all() and (refcount[free] == 0).all()
   assert num_free + np.count_nonzero(refcount) == num_pages, "an unreferenced page is not free"
-  slot_refs = np.zeros(num_pages, np.int64)
-  active, length = np.asarray(slots.active), np.asarray(slots.length)
-  for s in np.nonzero(active)[0]:
-    np.add.at(slot_refs, table[s, : -(-int(length[s]) // page_size)], 1)
-  extra = refcount - slot_refs
-  assert ((extra == 0) | (extra == 1)).all(), (refcount, slot_refs)
+  holding = np.asarray(slots.active) if finished is None else np.asarray(slots.active) | finished
+  extra = refcount - _slot_refs(table, slots, holding, page_size, num_pages)
+  assert ((extra == 0) | (extra == 1)).all(), (refcount, extra)
   return int(refcount.max())
 
 
@@ -91,18 +99,23 @@ class _PageAudit:
 
     def audited(params, pool, pages, slots, *args, **kwargs):
       self.max_refcount = max(self.max_refcount, _check_pages(pages, slots, self.page_size))
+      running = np.asarray(slots.active)
       pool, pages, slots, info = decode(params, pool, pages, slots, *args, **kwargs)
-      _check_pages(pages, slots, self.page_size)
-      self.last = pages
+      finished = running & ~np.asarray(slots.active)
+      _check_pages(pages, slots, self.page_size, finished)
+      self.last = pages, slots, finished
       return pool, pages, slots, info
 
     monkeypatch.setattr(sampler._engine, "decode", audited)
 
   def assert_pool_whole(self):
-    """After generate: every page free exactly once, every reference count 0."""
-    _, refcount, free_stack, num_free = (np.asarray(x) for x in self.last)
-    assert int(num_free) == refcount.size and not refcount.any()
-    np.testing.assert_array_equal(np.sort(free_stack), np.arange(refcount.size))
+    """After generate: the last window's pages are free but those of its finished slots."""
+    pages, slots, finished = self.last
+    table, refcount, free_stack, num_free = (np.asarray(x) for x in pages)
+    held = _slot_refs(table, slots, finished, self.page_size, refcount.size)
+    np.testing.assert_array_equal(refcount, held)  # released by the host: then all free
+    free = free_stack[: int(num_free)]
+    np.testing.assert_array_equal(np.sort(np.r_[free, np.nonzero(held)[0]]), np.arange(held.size))
 
 
 def _assert_same_rows(out, ref):

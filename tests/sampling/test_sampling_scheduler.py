@@ -1,10 +1,10 @@
 """`rlx.sampling._scheduler.Scheduler` on host arrays, against a numpy model of the device side.
 
 `_FakeEngine` does what `rlx.sampling._engine.Engine` does to the page and slot
-state (a page popped per slot crossing a page boundary, blocked slots, pages of
-finished slots released, the same stack order), keeps the token written at
-every (page, offset) of a fake pool, and checks at every decode step that each
-running slot's pages hold exactly its prompt + tokens so far. Token t of
+state (a page popped per slot crossing a page boundary, blocked slots, the same
+stack order; finished slots keep their pages for the host to release), keeps the
+token written at every (page, offset) of a fake pool, and checks at every decode
+step that each running slot's pages hold exactly its prompt + tokens so far. Token t of
 (prompt i, sample j) is a fixed function of (i, j, t), as the per-sample keys
 make it on device; so a request's tokens must not depend on the schedule.
 """
@@ -107,15 +107,7 @@ class _FakeEngine:
         stop = tok in cfg.stop_token_ids
         s.stopped[i] |= stop
         done[i] = stop or g + 1 >= m
-      touched = set()
-      for i in np.nonzero(done)[0]:
-        used = table[i, : -(-int(s.length[i]) // page)]
-        np.subtract.at(refcount, used, 1)
-        touched.update(used.tolist())
-      for p in sorted(t for t in touched if refcount[t] == 0):  # ascending, as on device
-        free_stack[num_free] = p
-        num_free += 1
-      s.active[done] = False
+      s.active[done] = False  # its pages stay referenced: the host releases them
       finished += int(done.sum())
       steps += 1
     info = LoopInfo(np.int32(steps), blocked, np.int32(peak))
