@@ -331,45 +331,7 @@ class ModelConfig:
       ValueError: naming the unsupported architecture, the unsupported, missing,
         mistyped, out-of-range or contradicting field(s).
     """
-    if not isinstance(hf, Mapping):
-      raise ValueError(
-        f"The HF config must be a dict (parsed config.json), got {type(hf).__name__}."
-      )
-    model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
-      raise ValueError(
-        f"Unsupported model_type {model_type!r} (architectures={hf.get('architectures')}); "
-        f"rlx.policy supports {FAMILIES} ({', '.join(_ARCHITECTURES.values())})."
-      )
-    architectures = hf.get("architectures") or [_ARCHITECTURES[model_type]]
-    if isinstance(architectures, str) or not isinstance(architectures, (list, tuple)):
-      raise ValueError(f"config.json field architectures must be a list, got {architectures!r}.")
-    bad = [a for a in architectures if a != _ARCHITECTURES[model_type]]
-    if bad:
-      raise ValueError(
-        f"Unsupported architecture(s) {bad} for model_type {model_type!r}; "
-        f"expected {_ARCHITECTURES[model_type]!r}."
-      )
-
-    def reject(field: str, ok: tuple[Any, ...]) -> None:
-      # Type-exact comparison: 0 must not pass for False, nor 1 for True.
-      value = hf.get(field)
-      if field in hf and not any(type(value) is type(v) and value == v for v in ok):
-        raise ValueError(
-          f"Unsupported config.json field {field}={hf[field]!r} for {model_type}; "
-          f"supported values: {list(ok)}."
-        )
-
-    reject("hidden_act", ("silu", "swish"))
-    reject("use_sliding_window", (False, None))
-    reject("mlp_bias", (False, None))
-    reject("partial_rotary_factor", (1.0, 1, None))
-    reject("quantization_config", (None,))
-    reject("attention_dropout", (0.0, 0, None))  # rlx has no dropout
-    reject("use_mrope", (False, None))
-    if model_type == "qwen2":
-      # transformers' Qwen2Attention always has q/k/v biases and ignores this field.
-      reject("attention_bias", (True, None))
+    model_type = _check_architecture(hf)
 
     defaults = _HF_DEFAULTS[model_type]
     defaulted: dict[str, Any] = {}
@@ -426,21 +388,7 @@ class ModelConfig:
         "attention_bias", lambda v: isinstance(v, bool), "true or false"
       )
 
-    layer_types = hf.get("layer_types")
-    if layer_types is not None:
-      if not isinstance(layer_types, (list, tuple)):
-        raise ValueError(f"config.json field layer_types must be a list, got {layer_types!r}.")
-      bad_layers = sorted({str(t) for t in layer_types if t != "full_attention"})
-      if bad_layers:
-        raise ValueError(
-          f"Unsupported config.json field layer_types containing {bad_layers}; "
-          "only 'full_attention' layers are supported."
-        )
-      if len(layer_types) != sizes["num_hidden_layers"]:
-        raise ValueError(
-          f"config.json field layer_types has {len(layer_types)} entries but "
-          f"num_hidden_layers={sizes['num_hidden_layers']}."
-        )
+    _check_layer_types(hf, sizes["num_hidden_layers"])
 
     rope_theta, rope_scaling = _parse_rope(hf, model_type, defaulted)
 
@@ -539,6 +487,72 @@ class ModelConfig:
     if self.family == "llama":
       hf.update(mlp_bias=False)
     return hf
+
+
+def _check_architecture(hf: Any) -> str:
+  """The `model_type` of a config.json dict, after rejecting what rlx.policy does not build.
+
+  Raises ValueError for a non-dict, an unsupported model type or architecture, and any
+  field whose value asks for computation rlx does not implement (sliding window, MLP
+  bias, partial rotary, quantization, dropout, M-RoPE, a non-SiLU activation).
+  """
+  if not isinstance(hf, Mapping):
+    raise ValueError(f"The HF config must be a dict (parsed config.json), got {type(hf).__name__}.")
+  model_type = hf.get("model_type")
+  if model_type not in FAMILIES:
+    raise ValueError(
+      f"Unsupported model_type {model_type!r} (architectures={hf.get('architectures')}); "
+      f"rlx.policy supports {FAMILIES} ({', '.join(_ARCHITECTURES.values())})."
+    )
+  architectures = hf.get("architectures") or [_ARCHITECTURES[model_type]]
+  if isinstance(architectures, str) or not isinstance(architectures, (list, tuple)):
+    raise ValueError(f"config.json field architectures must be a list, got {architectures!r}.")
+  bad = [a for a in architectures if a != _ARCHITECTURES[model_type]]
+  if bad:
+    raise ValueError(
+      f"Unsupported architecture(s) {bad} for model_type {model_type!r}; "
+      f"expected {_ARCHITECTURES[model_type]!r}."
+    )
+
+  def reject(field: str, ok: tuple[Any, ...]) -> None:
+    # Type-exact comparison: 0 must not pass for False, nor 1 for True.
+    value = hf.get(field)
+    if field in hf and not any(type(value) is type(v) and value == v for v in ok):
+      raise ValueError(
+        f"Unsupported config.json field {field}={hf[field]!r} for {model_type}; "
+        f"supported values: {list(ok)}."
+      )
+
+  reject("hidden_act", ("silu", "swish"))
+  reject("use_sliding_window", (False, None))
+  reject("mlp_bias", (False, None))
+  reject("partial_rotary_factor", (1.0, 1, None))
+  reject("quantization_config", (None,))
+  reject("attention_dropout", (0.0, 0, None))  # rlx has no dropout
+  reject("use_mrope", (False, None))
+  if model_type == "qwen2":
+    # transformers' Qwen2Attention always has q/k/v biases and ignores this field.
+    reject("attention_bias", (True, None))
+  return model_type
+
+
+def _check_layer_types(hf: Mapping[str, Any], num_layers: int) -> None:
+  """`layer_types`, when present, must list `num_layers` full-attention layers."""
+  layer_types = hf.get("layer_types")
+  if layer_types is not None:
+    if not isinstance(layer_types, (list, tuple)):
+      raise ValueError(f"config.json field layer_types must be a list, got {layer_types!r}.")
+    bad_layers = sorted({str(t) for t in layer_types if t != "full_attention"})
+    if bad_layers:
+      raise ValueError(
+        f"Unsupported config.json field layer_types containing {bad_layers}; "
+        "only 'full_attention' layers are supported."
+      )
+    if len(layer_types) != num_layers:
+      raise ValueError(
+        f"config.json field layer_types has {len(layer_types)} entries but "
+        f"num_hidden_layers={num_layers}."
+      )
 
 
 def _checkpoint_dtype(hf: Mapping[str, Any]) -> str:
