@@ -243,12 +243,22 @@ def test_an_imported_file_can_import_its_siblings(tmp_path, monkeypatch):
 
 
 def test_warmup_shows_progress_and_first_compile_notes(tmp_path, capfd):
+  # 10 warm-up steps (capped, with a warning): the bar and the notes, not the accuracy.
   config = rl_test_utils.tiny_config(
-    **{"log.progress_bar": True, "rl.iterations": 1, "eval.every": 1, "checkpoint.every": 1}
+    **{
+      "log.progress_bar": True,
+      "rl.iterations": 1,
+      "eval.every": 1,
+      "checkpoint.every": 1,
+      "warmup.max_steps": 10,
+      "warmup.eval_every": 5,
+      "warmup.on_cap": "warn",
+    }
   )
-  summary = rl.run(config, str(tmp_path))
+  with pytest.warns(UserWarning, match="warmup.max_steps=10"):
+    summary = rl.run(config, str(tmp_path))
   err = capfd.readouterr().err
-  assert summary["warmup_steps"] > 0
+  assert summary["warmup_steps"] == 10
   assert "warm-up:" in err and "dev_acc=" in err  # the warm-up's progress bar
   for what in ("the greedy evaluation sampler", "the warm-up step"):
     assert f"rlx: compiling {what} (first call) ..." in err
