@@ -9,6 +9,12 @@ Pieces, for a custom loop:
   rl_step = make_rl_step(learner, sampler)                  # the same iteration as ONE jit
   state, metrics = rl_step.from_examples(state, ref_params, examples, rng)
 
+Stale data (config.rl.staleness = k updates): `RolloutParams` holds the params
+that sample each batch (a ring of versions, or an interval refresh):
+  params_k, v = rollout_params.select(state.params, learner.version(state))
+  state, metrics, batch = learner.iteration(
+      state, ref_params, rollout, examples, rng, rollout_params=params_k, rollout_version=v)
+
 FP8 rollout (config.rollout.weight_dtype / kv_dtype): SyncRollout over an FP8
 sampler holds an `Fp8Refresh` (`rollout.fp8`): the rollout params and KV
 scales, re-quantized / recalibrated by `Learner.iteration` after every update.
@@ -72,6 +78,11 @@ from rlx.rl._run import (
   format_summary,
   run,
 )
+from rlx.rl._staleness import (
+  STALENESS_MODES,
+  RolloutParams,
+  staleness_metrics,
+)
 from rlx.rl._sweep import (
   format_sweep_row,
   grid_points,
@@ -100,6 +111,8 @@ __all__ = (
   "RLStep",
   "Rollout",
   "RolloutBatch",
+  "RolloutParams",
+  "STALENESS_MODES",
   "SUPERVISED_NOTE",
   "SyncRollout",
   "WarmupCapError",
@@ -131,6 +144,7 @@ __all__ = (
   "run_sweep",
   "sampler_kwargs",
   "samples_per_prompt",
+  "staleness_metrics",
   "supervised_warmup",
   "task_kwargs",
   "sweep_table",

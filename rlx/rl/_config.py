@@ -22,7 +22,7 @@ from typing import Any
 import ml_collections
 
 from rlx import _choices, objectives, tasks, train
-from rlx.rl import _cache
+from rlx.rl import _cache, _staleness
 
 BASELINES = ("grpo", "drgrpo", "rloo", "median")
 # Sections whose keys are free-form: keyword arguments of a function, checked
@@ -39,6 +39,7 @@ FREE_FORM = (
 NOT_COMPARED = ("log.", "imports", "warmup.init_from", "compilation_cache_dir")
 # rollout.weight_dtype / rollout.kv_dtype choices (rlx.sampling.SamplerConfig's).
 WEIGHT_DTYPES = _choices.WEIGHT_DTYPES
+OLD_LOGP_MODES = ("current", "behaviour", "sampler")
 KV_DTYPES = ("auto", *_choices.KV_DTYPES)  # "auto": the model's compute dtype
 FP8_DTYPES = tuple(_choices.FP8_DTYPES)
 
@@ -218,6 +219,34 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # Wall-clock budget of the RL phase in seconds (0 = none): stops after the
   # iteration that crosses it, with a warning; the summary records it.
   c.rl.max_time_s = 0.0
+  # Controlled staleness (M2PO's definition, in optimizer updates): the batch
+  # whose first update is u is sampled by the params of version u - k
+  # (rlx.rl.RolloutParams). 0 = on-policy. A multiple of the updates of one
+  # iteration (train.ppo_epochs x train.mini_batches). Staleness > 0 runs the
+  # host-driven iteration (rl.fused is ignored).
+  c.rl.staleness = 0
+  # "fixed": a ring of the last k / M + 1 param versions, every batch exactly k
+  # stale; "periodic": the rollout params are refreshed every k updates
+  # (staleness 0, M, ..., k - M at a batch's first update).
+  c.rl.staleness_mode = "fixed"
+  # Where the held versions live: "device" | "host" (NumPy copies, put on the
+  # mesh for each rollout; for a model whose ring does not fit on device).
+  c.rl.staleness_ring = "device"
+  # What the train step's old_logp (the PPO ratio's denominator, the policy
+  # the clip is centred on) is computed with:
+  #   "current"   the learner's params before the batch's first update (the
+  #               proximal policy of decoupled PPO; the behaviour log-probs
+  #               rollout_logp stay separate, for train.use_rollout_correction
+  #               / use_m2po to weight or mask behaviour -> proximal);
+  #   "behaviour" the params that sampled the batch (the held version),
+  #               recomputed by the trainer: PPO's ratio to the behaviour
+  #               policy, as in off-policy PPO on stale data; the same as
+  #               "current" at staleness 0. Not with partial rollouts, whose
+  #               rows mix versions;
+  #   "sampler"   the sampler's recorded rollout_logp (the behaviour policy
+  #               as sampled, FP8 / sampler numerics included; needs no
+  #               forward pass).
+  c.rl.old_logp = "current"
 
 
 def _add_warmup_eval_and_outputs(c: ml_collections.ConfigDict) -> None:
@@ -290,6 +319,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _choice(config.rollout.weight_dtype, WEIGHT_DTYPES, "config.rollout.weight_dtype")
   kv_dtype(config)
   _choice(rl.reward, ("auto", "jax", "host"), "config.rl.reward")
+  _choice(rl.old_logp, OLD_LOGP_MODES, "config.rl.old_logp")
+  _choice(rl.staleness_ring, _staleness.RING_PLACES, "config.rl.staleness_ring")
+  if rl.old_logp == "behaviour" and over > 1.0:
+    raise ValueError(
+      "`config.rl.old_logp`='behaviour' needs one params version per batch; partial rollouts "
+      "(`config.rollout.over_provision` > 1) mix versions within a row. Use 'sampler' (the "
+      "recorded per-token behaviour log-probs) or 'current'."
+    )
   _choice(config.warmup.on_cap, ("raise", "warn"), "config.warmup.on_cap")
   g = rl.num_samples
   if not isinstance(g, int) or g < 1:
@@ -338,6 +375,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     train.validate_config(train_cfg)
   except ValueError as e:  # name the field as this config has it
     raise ValueError(str(e).replace("`config.", "`config.train.")) from None
+  _staleness.check_staleness(rl.staleness, rl.staleness_mode, train.updates_per_step(train_cfg))
 
 
 def train_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from rlx import train
-from rlx.rl import _advantages, _batch, _config, _rollout
+from rlx.rl import _advantages, _batch, _config, _rollout, _staleness
 
 REWARD_MODES = ("auto", "jax", "host")
 
@@ -111,6 +111,20 @@ class Learner:
     )
     self._train_batch = jax.jit(_batch.train_batch)
 
+  @property
+  def updates_per_iteration(self) -> int:
+    """M: optimizer updates of one train step (`train.ppo_epochs x train.mini_batches`)."""
+    return train.updates_per_step(self.train_config)
+
+  def version(self, state: train.TrainState) -> int:
+    """The policy version of `state.params`: optimizer updates applied (`state.step x M`).
+
+    Rollout batches record it per token (`RolloutBatch.policy_version`), so a
+    token's staleness `version(state) - policy_version` is in optimizer
+    updates, as M2PO (https://arxiv.org/abs/2510.01161) counts it.
+    """
+    return int(train.to_host(state.step)) * self.updates_per_iteration
+
   def _device_rewards(self, batch, answer_ids, answer_lengths):
     completion, lengths = _batch.response_arrays(batch)
     return self.jax_reward(answer_ids, answer_lengths, completion, lengths)
@@ -133,19 +147,38 @@ class Learner:
     rollout: Any,
     examples: Sequence[Any],
     rng: jax.Array,
+    *,
+    rollout_params: Any = None,
+    rollout_version: int | None = None,
   ) -> tuple[train.TrainState, dict[str, float], _batch.RolloutBatch]:
     """One host-driven iteration; returns (state, host metrics, the rollout batch).
 
     Metrics include the phase times `time/rollout_s`, `time/reward_s`,
-    `time/logp_s`, `time/train_s` (each phase waited for on host). A rollout
+    `time/logp_s`, `time/train_s` (each phase waited for on host), and the
+    batch's staleness at its first update (`staleness_mean`, `_min`, `_max`,
+    `staleness_hist`; `rlx.rl.staleness_metrics`). A rollout
     with a `refresh(params, batch) -> seconds` (FP8 rollout: re-quantize the
     weights, recalibrate the KV scales on this batch) is refreshed with the
     updated params after the train step: `time/refresh_s`.
+
+    Args:
+      state: the learner's train state (version = `state.step`).
+      ref_params: the KL reference params (None without KL).
+      rollout: the rollout engine (`collect(params, prompts, rng, policy_version=)`).
+      examples: the N task examples of this batch.
+      rng: the rollout key.
+      rollout_params: the params that sample the batch (stale ones, e.g. from
+        `RolloutParams.select`); None = `state.params`.
+      rollout_version: their version (needed with `rollout_params`).
     """
     t0 = time.perf_counter()
-    version = int(train.to_host(state.step))
+    version = self.version(state)
+    if rollout_params is None:
+      rollout_params, rollout_version = state.params, version
+    elif rollout_version is None:
+      raise ValueError("`rollout_version` is needed with `rollout_params`.")
     batch = rollout.collect(
-      state.params, [e.prompt_ids for e in examples], rng, policy_version=version
+      rollout_params, [e.prompt_ids for e in examples], rng, policy_version=int(rollout_version)
     )
     jax.block_until_ready(batch.tokens)
     t1 = time.perf_counter()
@@ -156,7 +189,7 @@ class Learner:
     jax.block_until_ready(tb)
     t2 = time.perf_counter()
     tb = train.shard_batch(tb, self.mesh)
-    tb["old_logp"] = self.compute_logprobs(state, tb)
+    tb["old_logp"] = self._old_logp(state, rollout_params, tb)
     if self.uses_ref:
       tb["ref_logp"] = self.compute_logprobs(ref_params, tb)
     jax.block_until_ready(tb)
@@ -169,6 +202,7 @@ class Learner:
     t5 = time.perf_counter()
     metrics = {k: float(v) for k, v in train.to_host(self._metrics(batch, batch.rewards)).items()}
     metrics.update(_host_floats(train_metrics))
+    metrics.update(_staleness.staleness_metrics(batch.policy_version, batch.response_mask, version))
     metrics.update(
       {
         "time/rollout_s": t1 - t0,
@@ -181,6 +215,15 @@ class Learner:
     if refresh_s is not None:
       metrics["time/refresh_s"] = refresh_s
     return state, metrics, batch
+
+  def _old_logp(self, state: train.TrainState, rollout_params: Any, tb: dict) -> jax.Array:
+    """The train batch's `old_logp` as `config.rl.old_logp` says (current | behaviour | sampler)."""
+    mode = self.config.rl.old_logp
+    if mode == "sampler":
+      return tb["rollout_logp"]
+    if mode == "behaviour" and rollout_params is not state.params:
+      return self.compute_logprobs(rollout_params, tb)
+    return self.compute_logprobs(state, tb)
 
 
 def _host_floats(metrics: dict) -> dict[str, float]:
@@ -346,7 +389,8 @@ def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
       params, pt, pl, rng, num_samples=k, **gen_kwargs
     )
     groups = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
-    batch = _batch.build_rollout_batch(pt, pl, tokens, logps, lengths, stopped, groups, state.step)
+    version = state.step * learner.updates_per_iteration
+    batch = _batch.build_rollout_batch(pt, pl, tokens, logps, lengths, stopped, groups, version)
     completion, clen = _batch.response_arrays(batch)
     rewards = learner.jax_reward(
       jnp.repeat(answer_ids, k, axis=0), jnp.repeat(answer_lengths, k), completion, clen

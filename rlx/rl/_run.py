@@ -24,7 +24,17 @@ import ml_collections
 import numpy as np
 
 from rlx import objectives, policy, tasks, train
-from rlx.rl import _cache, _config, _data, _evaluate, _learner, _logging, _rollout, _warmstart
+from rlx.rl import (
+  _cache,
+  _config,
+  _data,
+  _evaluate,
+  _learner,
+  _logging,
+  _rollout,
+  _staleness,
+  _warmstart,
+)
 
 SUPERVISED_NOTE = (
   "Note: supervised training on the gold answers alone could also solve this task; the "
@@ -166,6 +176,9 @@ def _check_workdir(config: ml_collections.ConfigDict, workdir: str) -> dict[str,
     _write_json(os.path.join(workdir, "config.json"), current)
     return None
   now, before = _compared(current), _compared(saved)
+  # A field added to the config after that run was recorded had its default then.
+  for key, value in _compared(_config.get_config().to_dict()).items():
+    before.setdefault(key, value)
   changed = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
   if changed:
     shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
@@ -257,8 +270,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   partial = float(config.rollout.over_provision) > 1.0
   # FP8 rollout: one refresh object (rollout params + KV scales) for every path.
   fp8 = _rollout.make_fp8_refresh(sampler)
+  staleness = int(config.rl.staleness)
   fused = bool(
     not partial
+    and staleness == 0
+    and config.rl.old_logp != "sampler"
     and config.rl.fused
     and learner.jax_reward is not None
     and hasattr(sampler, "generate_fn")
@@ -315,7 +331,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     rollout_buffer = (restored.extra or {}).get("rollout_buffer")
     best_params = (restored.extra or {}).get("best_params")
     kv_state = (restored.extra or {}).get("kv_scales")
+    stale_state = (restored.extra or {}).get("staleness")
   else:
+    stale_state = None
     rollout_buffer = None
     best_params = None
     kv_state = None
@@ -371,6 +389,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         "starting with an empty buffer.",
         stacklevel=2,
       )
+  rollout_params = _staleness.RolloutParams(
+    staleness,
+    config.rl.staleness_mode,
+    updates_per_iteration=train.updates_per_step(train_cfg),
+    place=config.rl.staleness_ring,
+    put=lambda tree: train.shard_params(tree, model_config, mesh),
+  )
+  if stale_state:
+    rollout_params.load_state_dict(stale_state)
+  elif latest is not None and staleness:
+    warnings.warn(
+      "Resuming with rl.staleness > 0 from a checkpoint without held param versions: the "
+      "ring starts again from the current params.",
+      stacklevel=2,
+    )
   index_of = {id(e): i for i, e in enumerate(train_examples)}
 
   def pull(n):  # the next n fresh prompts as (index in the train split, prompt ids)
@@ -395,9 +428,19 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     )
 
   def one_iteration(state, rng, t0):
+    if fused:  # on-policy: the batch's tokens have staleness 0
+      examples = source.next_batch()
+      state, device_metrics = rl_step.from_examples(state, ref_params, examples, rng)
+      metrics = _learner._host_floats(device_metrics)
+      metrics["time/fused_s"] = time.perf_counter() - t0
+      n = int(metrics["response_tokens"])
+      metrics.update(
+        staleness_mean=0.0, staleness_min=0.0, staleness_max=0.0, staleness_hist={"0": n}
+      )
+      return state, metrics
+    params, version = rollout_params.select(state.params, learner.version(state))
     if partial:
-      version = int(train.to_host(state.step))
-      batch, keys = partial_rollout.collect_groups(state.params, pull, rng, policy_version=version)
+      batch, keys = partial_rollout.collect_groups(params, pull, rng, policy_version=version)
       examples = [train_examples[int(i)] for i in keys]
       t_rollout = time.perf_counter() - t0
       state, metrics, _ = learner.iteration(
@@ -405,14 +448,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       )
       metrics["time/rollout_s"] += t_rollout
       metrics.update(partial_rollout.metrics())
-    elif fused:
-      examples = source.next_batch()
-      state, device_metrics = rl_step.from_examples(state, ref_params, examples, rng)
-      metrics = _learner._host_floats(device_metrics)
-      metrics["time/fused_s"] = time.perf_counter() - t0
     else:
       examples = source.next_batch()
-      state, metrics, _ = learner.iteration(state, ref_params, rollout, examples, rng)
+      state, metrics, _ = learner.iteration(
+        state, ref_params, rollout, examples, rng, rollout_params=params, rollout_version=version
+      )
     return state, metrics
 
   if ahead is not None:
@@ -498,6 +538,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         extra["rollout_buffer"] = partial_rollout.state_dict()
       if fp8 is not None and fp8.kv_scales is not None:
         extra["kv_scales"] = fp8.state_dict()
+      if rollout_params.state_dict():
+        extra["staleness"] = rollout_params.state_dict()
       ckpt.save(iteration, state, data_cursor=cursor, extra=extra, force=True)
   if bar is not None:
     bar.close()
@@ -521,6 +563,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   summary_path = os.path.join(workdir, "summary.json")
   records = _logging.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   rl_records = [r for r in records if r.get("phase") == "rl"]
+  stale_hist = _staleness.merge_histograms([r.get("staleness_hist") or {} for r in rl_records])
+  stale_tokens = sum(stale_hist.values())
   summary = {
     "task": task.name,
     "loss": config.train.loss,
@@ -563,6 +607,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     "note": SUPERVISED_NOTE if isinstance(task, tasks.ArithmeticTask) else None,
     # Optimizer updates skipped for a non-finite loss or gradient (train.nonfinite).
     "skipped_updates": int(rl_records[-1].get("skipped_total") or 0) if rl_records else 0,
+    # Staleness of the trained tokens at their batch's first update, in optimizer
+    # updates (rl.staleness; partial rollouts' recycled tokens), over the run.
+    "staleness_mean": (
+      sum(int(s) * c for s, c in stale_hist.items()) / stale_tokens if stale_tokens else 0.0
+    ),
+    "staleness_max": max((int(s) for s in stale_hist), default=0),
+    "staleness_hist": stale_hist,
     "config": config.to_dict(),
   }
   this_process = time.perf_counter() - wall_start
