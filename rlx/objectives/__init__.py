@@ -100,8 +100,18 @@ from rlx.objectives._rejection import (
 from rlx.objectives._sapo import (
   sapo_loss,
 )
+from rlx.objectives._sat import (
+  SatClipBounds,
+  sat_clip_bounds,
+  sat_loss,
+)
 from rlx.objectives._vcpo import (
+  vcpo_advantages,
+  vcpo_baseline,
   vcpo_lr_factor,
+)
+from rlx.objectives._vespo import (
+  vespo_loss,
 )
 from rlx.objectives._veto import (
   rollout_veto_mask,
@@ -151,9 +161,15 @@ __all__ = (
   "rollout_veto_mask",
   "RolloutCorrectionMetrics",
   "sapo_loss",
+  "sat_clip_bounds",
+  "sat_loss",
+  "SatClipBounds",
   "sequence_importance_weights",
   "sequence_log_ratio",
   "token_importance_weights",
   "token_log_ratio",
+  "vcpo_advantages",
+  "vcpo_baseline",
   "vcpo_lr_factor",
+  "vespo_loss",
 )

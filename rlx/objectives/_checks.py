@@ -251,21 +251,71 @@ def check_range(
   check_scalar(value, name, optional=optional)
   if value is None or not is_concrete(value):
     return
-  x = np.asarray(value, np.float64)
+  bounds = dict(low=low, high=high, low_open=low_open, high_open=high_open)
+  if np.all(_in_range(np.asarray(value, np.float64), **bounds)):
+    return
+  raise ValueError(f"`{name}` must be {_range_text(**bounds)}, got {_show(value)}{why}.")
+
+
+def _in_range(x: np.ndarray, *, low, high, low_open, high_open) -> np.ndarray:
+  """Elementwise membership of the interval (NaN is never inside)."""
   ok = ~np.isnan(x)
   if low is not None:
     ok &= (x > low) if low_open else (x >= low)
   if high is not None:
     ok &= (x < high) if high_open else (x <= high)
-  if np.all(ok):
-    return
+  return ok
+
+
+def _range_text(*, low, high, low_open, high_open) -> str:
   if high is None:
-    want = f"{'>' if low_open else '>='} {low}"
-  elif low is None:
-    want = f"{'<' if high_open else '<='} {high}"
-  else:
-    want = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-  raise ValueError(f"`{name}` must be {want}, got {_show(value)}{why}.")
+    return f"{'>' if low_open else '>='} {low}"
+  if low is None:
+    return f"{'<' if high_open else '<='} {high}"
+  return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def check_range_or_token_array(
+  value: Any,
+  name: str,
+  token_shape: tuple[int, ...] | None,
+  *,
+  token_mask: Any = None,
+  reference: str = "logp",
+  why: str = "",
+  **bounds: Any,
+) -> None:
+  """`check_range` for a value that may also be a per-token `[B, T]` array.
+
+  A rank-0 value is checked by `check_range`. With `token_shape` given, a
+  value of rank > 0 must be a floating array of exactly that shape (the shape
+  of the `reference` data array); when concrete, every entry must lie in the
+  interval (NaN never does), except at positions where a concrete
+  `token_mask` of that shape is 0 (padding, never read). Without
+  `token_shape`, arrays are refused as by `check_scalar`.
+  """
+  if token_shape is None or value is None or np.ndim(value) == 0:
+    check_range(value, name, why=why, **bounds)
+    return
+  check_float_array(value, name)
+  if np.shape(value) != tuple(token_shape):
+    raise ValueError(
+      f"`{name}` must be a scalar (rank 0), got shape {shape_str(value)}; per-token values "
+      f"must have the shape of `{reference}` {tuple(token_shape)}."
+    )
+  if not is_concrete(value):
+    return
+  full = {"low": None, "high": None, "low_open": False, "high_open": False, **bounds}
+  x = np.asarray(value, np.float64)
+  bad = ~_in_range(x, **full)
+  if token_mask is not None and is_concrete(token_mask) and np.shape(token_mask) == x.shape:
+    bad &= np.asarray(token_mask) != 0
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"`{name}` must be {_range_text(**full)} at every valid token, got {x[where]} at index "
+      f"{where} ({int(bad.sum())} such value(s)){why}."
+    )
 
 
 def check_finite(value: Any, name: str, *, optional: bool = False) -> None:
@@ -308,23 +358,32 @@ def check_ratio_clips(
   *,
   prefix: str = "",
   dual_clip_optional: bool = True,
+  token_shape: tuple[int, ...] | None = None,
+  token_mask: Any = None,
 ) -> None:
   """PPO-convention ratio clip bounds: the ratio is kept in `[1 - clip_low, 1 + clip_high]`.
 
   `clip_low` in [0, 1) (at >= 1 the lower bound `1 - clip_low <= 0` is below
   every ratio, silently removing the clip), `clip_high >= 0` and `dual_clip > 1`
   (None: off, where `dual_clip_optional`; at <= 1 the cap would lie inside the
-  clip window).
+  clip window). With `token_shape` (the `[B, T]` shape of `logp`), `clip_low`
+  and `clip_high` may also be per-token floating arrays of that shape, every
+  entry in range where `token_mask` (the loss's mask) is set (checked when
+  concrete); `dual_clip` stays a scalar.
   """
-  check_range(
+  check_range_or_token_array(
     clip_low,
     f"{prefix}clip_low",
+    token_shape,
+    token_mask=token_mask,
     low=0.0,
     high=1.0,
     high_open=True,
     why=" (the ratio's lower bound is 1 - clip_low; >= 1 would remove it)",
   )
-  check_non_negative(clip_high, f"{prefix}clip_high")
+  check_range_or_token_array(
+    clip_high, f"{prefix}clip_high", token_shape, token_mask=token_mask, low=0.0
+  )
   check_greater(dual_clip, 1.0, "dual_clip", optional=dual_clip_optional)
 
 

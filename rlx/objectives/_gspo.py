@@ -2,12 +2,18 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import check_ratio_clips, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
-from rlx.objectives._policy_inputs import apply_is_weights, clipped_surrogate, prepare_policy_inputs
+from rlx.objectives._policy_inputs import (
+  apply_is_weights,
+  clipped_surrogate,
+  prepare_policy_inputs,
+  token_clip_bound,
+)
 from rlx.objectives._ratios import masked_log_ratio, masked_sequence_log_ratio
 
 # Upper cap on the per-token log of the sequence ratio (verl).
@@ -20,8 +26,8 @@ def gspo_loss(
   advantages: Float[Array, "B T"],
   mask: Shaped[Array, "B T"],
   *,
-  clip_low: float | Float[Array, ""] = 3e-4,
-  clip_high: float | Float[Array, ""] = 4e-4,
+  clip_low: float | Float[Array, ""] | Float[Array, "B T"] = 3e-4,
+  clip_high: float | Float[Array, ""] | Float[Array, "B T"] = 4e-4,
   is_weights: Float[Array, "B T"] | None = None,
   agg: str = "seq-mean-token-mean",
   agg_scale: Float[Array, ""] | float | None = None,
@@ -34,14 +40,18 @@ def gspo_loss(
     loss   = aggregate(L, mask, agg)                     (default seq-mean-token-mean)
   No dual clip. Zheng et al. 2025, https://arxiv.org/abs/2507.18071 (paper
   values clip_low = 3e-4, clip_high = 4e-4); verl `compute_policy_loss_gspo`.
+  The clips may be per-token `[B, T]` arrays (detached), e.g. SAT's contracted
+  radii computed from the broadcast sequence log-ratio (`sat_clip_bounds`).
 
   Args:
     logp: current-policy log-probs (differentiated), with shape `[B, T]`.
     old_logp: old-policy log-probs (detached), with shape `[B, T]`.
     advantages: per-token advantages (detached), with shape `[B, T]`.
     mask: 1/True on the tokens that count, with shape `[B, T]`.
-    clip_low: lower clip `>= 0` on the sequence ratio.
-    clip_high: upper clip `>= 0` on the sequence ratio.
+    clip_low: lower clip in [0, 1) on the sequence ratio: a scalar or a
+      per-token array with shape `[B, T]`.
+    clip_high: upper clip `>= 0` on the sequence ratio: a scalar or a per-token
+      array with shape `[B, T]`.
     is_weights: rollout-correction weights (detached), with shape `[B, T]`.
     agg: aggregation mode (see `aggregate`).
     agg_scale: optional denominator for `aggregate` (global batch scale).
@@ -51,10 +61,11 @@ def gspo_loss(
     sequence ratio `w`, broadcast over the sequence's tokens; approx_kl uses
     the token log-ratio).
   """
-  check_ratio_clips(clip_low, clip_high)
+  check_ratio_clips(clip_low, clip_high, token_shape=np.shape(logp), token_mask=mask)
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
   )
+  clip_low, clip_high = token_clip_bound(clip_low, x.valid), token_clip_bound(clip_high, x.valid)
   sg = jax.lax.stop_gradient
   adv = x.advantages
   seq_log_ratio = masked_sequence_log_ratio(x.logp, x.old_logp, x.valid)[:, None]

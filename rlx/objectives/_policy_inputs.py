@@ -4,6 +4,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlx.objectives._aggregate import AGG_MODES
 from rlx.objectives._checks import (
@@ -72,6 +73,19 @@ def prepare_policy_inputs(
     valid=valid,
     is_weights=None if is_weights is None else sg(clean(is_weights)),
   )
+
+
+def token_clip_bound(value, valid: jax.Array):
+  """A clip bound as the loss uses it: a scalar unchanged, a `[B, T]` array detached float32.
+
+  Scalars are returned as given, so scalar-bound losses compute exactly what
+  they always did; per-token arrays (already shape-checked) are cast to
+  float32, stop-gradient, and set to 0 at masked positions, so NaN padding
+  never reaches a value or a gradient.
+  """
+  if np.ndim(value) == 0:
+    return value
+  return jax.lax.stop_gradient(where_mask(valid, as_f32(value)))
 
 
 def apply_is_weights(per_token: jax.Array, is_weights: jax.Array | None) -> jax.Array:

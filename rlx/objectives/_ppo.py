@@ -1,16 +1,20 @@
 """PPO clipped surrogate, token level, with clip-higher and dual clip (verl vanilla loss)."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Shaped
 
 from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import check_ratio_clips, clip
 from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 from rlx.objectives._policy_inputs import (
+  PolicyInputs,
   apply_dual_clip,
   apply_is_weights,
   clipped_surrogate,
   prepare_policy_inputs,
+  token_clip_bound,
 )
 from rlx.objectives._ratios import masked_log_ratio
 
@@ -21,8 +25,8 @@ def ppo_clip_loss(
   advantages: Float[Array, "B T"],
   mask: Shaped[Array, "B T"],
   *,
-  clip_low: float | Float[Array, ""] = 0.2,
-  clip_high: float | Float[Array, ""] = 0.2,
+  clip_low: float | Float[Array, ""] | Float[Array, "B T"] = 0.2,
+  clip_high: float | Float[Array, ""] | Float[Array, "B T"] = 0.2,
   dual_clip: float | Float[Array, ""] | None = None,
   is_weights: Float[Array, "B T"] | None = None,
   agg: str = "token-mean",
@@ -42,13 +46,20 @@ def ppo_clip_loss(
   bound counts as inside the closed window and keeps its gradient (as with
   `torch.clamp`; the same holds for every clipped loss in rlx.objectives).
 
+  `clip_low` / `clip_high` may be per-token `[B, T]` arrays (detached), e.g.
+  SAT's staleness-contracted radii (`sat_clip_bounds`); token t is then
+  clipped to `[1 - clip_low[t], 1 + clip_high[t]]`. Scalars give exactly the
+  scalar computation.
+
   Args:
     logp: current-policy log-probs (differentiated), with shape `[B, T]`.
     old_logp: old-policy log-probs (detached), with shape `[B, T]`.
     advantages: per-token advantages (detached), with shape `[B, T]`.
     mask: 1/True on the tokens that count, with shape `[B, T]`.
-    clip_low: lower clip `eps_low >= 0` (bound `1 - eps_low`).
-    clip_high: upper clip `eps_high >= 0` (bound `1 + eps_high`).
+    clip_low: lower clip `eps_low` in [0, 1) (bound `1 - eps_low`): a scalar or
+      a per-token array with shape `[B, T]`, every entry in range.
+    clip_high: upper clip `eps_high >= 0` (bound `1 + eps_high`): a scalar or a
+      per-token array with shape `[B, T]`.
     dual_clip: dual-clip constant `c > 1` for negative advantages, or None.
     is_weights: rollout-correction weights (detached), with shape `[B, T]`.
     agg: aggregation mode (see `aggregate`).
@@ -57,10 +68,27 @@ def ppo_clip_loss(
   Returns:
     `(loss, metrics)`: float32 scalar and `PolicyLossMetrics` (ratio = `r`).
   """
-  check_ratio_clips(clip_low, clip_high, dual_clip)
+  check_ratio_clips(clip_low, clip_high, dual_clip, token_shape=np.shape(logp), token_mask=mask)
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
   )
+  return clipped_policy_loss(
+    x,
+    clip_low=token_clip_bound(clip_low, x.valid),
+    clip_high=token_clip_bound(clip_high, x.valid),
+    dual_clip=dual_clip,
+    agg=agg,
+    agg_scale=agg_scale,
+  )
+
+
+def clipped_policy_loss(
+  x: PolicyInputs, *, clip_low, clip_high, dual_clip, agg: str, agg_scale
+) -> tuple[jax.Array, PolicyLossMetrics]:
+  """PPO's clipped surrogate on validated inputs (internal; shared with SAT).
+
+  `clip_low` / `clip_high` are scalars or float32 `[B, T]` arrays (detached).
+  """
   adv = x.advantages
   log_ratio = masked_log_ratio(x.logp, x.old_logp, x.valid)
   ratio = jnp.exp(log_ratio)

@@ -27,6 +27,8 @@ from rlx.objectives._metrics import PolicyLossMetrics
 from rlx.objectives._minpro import minpro_loss
 from rlx.objectives._ppo import ppo_clip_loss
 from rlx.objectives._sapo import sapo_loss
+from rlx.objectives._sat import sat_loss
+from rlx.objectives._vespo import vespo_loss
 
 _RATIO_CLIPS = ("clip_low", "clip_high", "dual_clip")
 # Data inputs every policy loss takes positionally, in this order.
@@ -58,7 +60,8 @@ class PolicyLossSpec(NamedTuple):
       exactly these; a caller that also sets them in its loss kwargs has two
       sources for one bound and should raise. Losses whose bounds mean
       something else (CTPO's position-scaled log-space window, SAPO's
-      temperatures) declare `()`.
+      temperatures, VESPO's kernel) declare `()`. SAT declares PPO's: its
+      `clip_low`/`clip_high` are the nominal radii it contracts per token.
     differentiable_entropy: whether the `entropy` input keeps its gradient
       with respect to the policy params (a loss that shapes the entropy
       itself); False (every built-in) passes it detached.
@@ -201,7 +204,7 @@ def _check_outputs(spec: PolicyLossSpec, name: str) -> None:
 
 
 _SPECS: dict[str, PolicyLossSpec] = {}
-_BUILTIN = ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo")
+_BUILTIN = ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat")
 
 
 class _View(Mapping):
@@ -325,6 +328,9 @@ for _name, _fn, _kwargs in (
   ("cispo", cispo_loss, {"clip_keywords": ("clip_low", "clip_high")}),
   ("sapo", sapo_loss, {}),
   ("aspo", aspo_loss, {"extra_inputs": ("entropy",), "clip_keywords": _RATIO_CLIPS}),
+  ("vespo", vespo_loss, {}),
+  # SAT's clip_low / clip_high are PPO's nominal radii, which it contracts per token.
+  ("sat", sat_loss, {"clip_keywords": _RATIO_CLIPS}),
 ):
   # Built-ins are tested directly; no abstract trace at import time.
   _SPECS[_name] = policy_loss_spec(_fn, check_outputs=False, **_kwargs)

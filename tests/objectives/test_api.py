@@ -52,11 +52,17 @@ PUBLIC = {
   "rollout_veto_mask",
   "RolloutCorrectionMetrics",
   "sapo_loss",
+  "sat_clip_bounds",
+  "sat_loss",
+  "SatClipBounds",
   "sequence_importance_weights",
   "sequence_log_ratio",
   "token_importance_weights",
   "token_log_ratio",
+  "vcpo_advantages",
+  "vcpo_baseline",
   "vcpo_lr_factor",
+  "vespo_loss",
 }
 
 # Keyword-only parameters every policy loss has that are neither data inputs
@@ -77,7 +83,17 @@ def test_exact_public_surface():
 
 
 def test_registry_is_read_only_and_consistent():
-  assert set(obj.POLICY_LOSS_SPECS) == {"ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo"}
+  assert set(obj.POLICY_LOSS_SPECS) == {
+    "ppo",
+    "gspo",
+    "ctpo",
+    "minpro",
+    "cispo",
+    "sapo",
+    "aspo",
+    "vespo",
+    "sat",
+  }
   assert dict(obj.POLICY_LOSSES) == {k: s.fn for k, s in obj.POLICY_LOSS_SPECS.items()}
   with pytest.raises(TypeError):
     obj.POLICY_LOSS_SPECS["mine"] = obj.POLICY_LOSS_SPECS["ppo"]
@@ -113,9 +129,10 @@ def test_spec_matches_signature(name):
 
 
 def test_which_losses_take_ppo_ratio_bounds():
-  # CTPO's window is log-space and position-scaled, SAPO has temperatures.
+  # CTPO's window is log-space and position-scaled, SAPO has temperatures, VESPO a
+  # kernel; SAT's clips are PPO's nominal radii (contracted per token on the tail).
   declared = {n: s.clip_keywords for n, s in obj.POLICY_LOSS_SPECS.items() if s.clip_keywords}
-  assert set(declared) == {"ppo", "gspo", "minpro", "cispo", "aspo"}
+  assert set(declared) == {"ppo", "gspo", "minpro", "cispo", "aspo", "sat"}
   assert "dual_clip" not in declared["gspo"] + declared["cispo"]
 
 

@@ -52,6 +52,16 @@ BAD_HYPER = [
   ("ctpo", "position_power", np.inf, "`position_power`"),
   ("sapo", "tau_pos", 0.0, "`tau_pos` must be > 0"),
   ("sapo", "tau_neg", -1.0, "`tau_neg`"),
+  ("vespo", "k_pos", -1.0, "`k_pos` must be >= 0"),
+  ("vespo", "lambda_pos", -0.1, "`lambda_pos` must be >= 0"),
+  ("vespo", "k_neg", np.inf, "`k_neg` must be finite"),
+  ("vespo", "lambda_neg", np.inf, "`lambda_neg` must be finite"),
+  ("sat", "clip_low", 1.0, "`clip_low` must be in"),
+  ("sat", "clip_high", -0.1, "`clip_high`"),
+  ("sat", "dual_clip", 1.0, "`dual_clip` must be > 1"),
+  ("sat", "quantile", 0.0, r"`quantile` must be in \(0.0, 1.0\]"),
+  ("sat", "quantile", 1.5, "`quantile`"),
+  ("sat", "kernel_power", 0.0, "`kernel_power` must be > 0"),
 ]
 
 
@@ -65,7 +75,7 @@ def test_bad_loss_hyper_parameters(name, key, value, match, as_array):
 
 @pytest.mark.parametrize("name", sorted(obj.POLICY_LOSS_SPECS))
 def test_nan_hyper_parameters_are_rejected(name):
-  key = {"sapo": "tau_pos"}.get(name, "clip_high")
+  key = {"sapo": "tau_pos", "vespo": "k_pos"}.get(name, "clip_high")
   with pytest.raises(ValueError, match=f"`{key}`.*nan"):
     _loss(name, **{key: jnp.float32(np.nan)})
 
@@ -146,6 +156,7 @@ TOKEN_FUNCTIONS = {
   "sequence_importance_weights": lambda x: obj.sequence_importance_weights(x, x, x),
   "m2po_mask": lambda x: obj.m2po_mask(x, x, x),
   "bapo_clip_bounds": lambda x: obj.bapo_clip_bounds(x, x, x, x),
+  "sat_clip_bounds": lambda x: obj.sat_clip_bounds(x, x),
 }
 MASK_FUNCTIONS = {
   "aggregate_scale": lambda x: obj.aggregate_scale(x, "token-mean"),
@@ -158,7 +169,7 @@ MASK_FUNCTIONS = {
 @pytest.mark.parametrize("name", sorted(TOKEN_FUNCTIONS) + sorted(MASK_FUNCTIONS))
 def test_zero_size_token_arrays(name, shape):
   fn = {**TOKEN_FUNCTIONS, **MASK_FUNCTIONS}[name]
-  first = "mask" if name in MASK_FUNCTIONS else "(logp|old_logp|values|target_logp)"
+  first = "mask" if name in MASK_FUNCTIONS else "(logp|old_logp|values|target_logp|log_ratio)"
   with pytest.raises(ValueError, match=rf"`{first}` must be \[B, T\] with B >= 1.*zero-size"):
     fn(jnp.zeros(shape))
 
@@ -257,6 +268,7 @@ MASK_CALLS = {
   ),
   "m2po_mask": (lambda m: obj.m2po_mask(X, X, m), "mask"),
   "bapo_clip_bounds": (lambda m: obj.bapo_clip_bounds(X, X, X, m), "mask"),
+  "sat_clip_bounds": (lambda m: obj.sat_clip_bounds(X, m), "mask"),
   "effective_sample_size": (lambda m: obj.effective_sample_size(_W, m), "valid"),
   "renormalize_weights": (lambda m: obj.renormalize_weights(_W, m), "valid"),
   "vcpo_lr_factor": (lambda m: obj.vcpo_lr_factor(_W.reshape(-1), valid=m.reshape(-1)), "valid"),
@@ -289,7 +301,7 @@ def test_traced_masks_are_read_as_nonzero():
 @pytest.mark.parametrize("name", sorted(TOKEN_FUNCTIONS) + sorted(MASK_FUNCTIONS))
 def test_data_arrays_must_be_real(name):
   fn = {**TOKEN_FUNCTIONS, **MASK_FUNCTIONS}[name]
-  first = "mask" if name in MASK_FUNCTIONS else "(logp|old_logp|values|target_logp)"
+  first = "mask" if name in MASK_FUNCTIONS else "(logp|old_logp|values|target_logp|log_ratio)"
   with pytest.raises(ValueError, match=rf"`{first}` must hold real numbers.*complex64"):
     fn(jnp.zeros((2, 3), jnp.complex64))
   with pytest.raises(ValueError, match=rf"`{first}` must hold real numbers.*<U1"):
@@ -376,6 +388,9 @@ SCALAR_HYPER = [
   (lambda v: _loss("minpro", clip_high=v), "clip_high", False, 0.5),
   (lambda v: _loss("aspo", dual_clip=v), "dual_clip", False, 3.0),
   (lambda v: _loss("aspo", high_entropy_fraction=v), "high_entropy_fraction", False, 0.5),
+  (lambda v: _loss("vespo", lambda_neg=v), "lambda_neg", False, 0.5),
+  (lambda v: _loss("sat", quantile=v), "quantile", False, 0.5),
+  (lambda v: _loss("sat", clip_low=v), "clip_low", False, 0.5),
   (lambda v: _loss("ppo", agg_scale=v), "agg_scale", True, 0.5),
   (lambda v: obj.aggregate(X, M, "token-mean", scale=v), "scale", True, 0.5),
   (lambda v: obj.grpo_advantages(jnp.ones((2, 3)), eps=v), "eps", False, 0.5),

@@ -1,7 +1,7 @@
 """Behaviour tests shared by every policy loss of rlx.objectives (POLICY_LOSSES).
 
 Hand-computed values per loss live in test_loss_values.py, CTPO's position
-window in test_ctpo.py.
+window in test_ctpo.py, VESPO's kernel in test_vespo.py, SAT's radii in test_sat.py.
 """
 
 import functools
@@ -36,7 +36,15 @@ WIDE = {
   "cispo": dict(clip_low=0.5, clip_high=0.5),
   "sapo": dict(),
   "aspo": dict(clip_low=0.5, clip_high=0.5),
+  "vespo": dict(),
+  "sat": dict(clip_low=0.5, clip_high=0.5),
 }
+# VESPO folds `is_weights` into its sequence ratio instead of multiplying the
+# per-token loss; where a test expects the multiplied form it gets weights 1.
+FOLDS_IS_WEIGHTS = ("vespo",)
+# SAT's tail threshold is the quantile of the batch passed in (the paper's
+# micro-batch quantile), so splitting a batch can change its loss by design.
+BATCH_RELATIVE = ("sat",)
 DEFAULT_AGG = {"gspo": "seq-mean-token-mean"}
 # Non-default values of every float hyper-parameter (and agg_scale), traced under jit.
 TRACED = {
@@ -54,6 +62,10 @@ TRACED = {
     dual_clip=2.0,
     positive_dual_clip=1.5,
     agg_scale=7.0,
+  ),
+  "vespo": dict(k_pos=1.5, lambda_pos=2.5, k_neg=2.5, lambda_neg=1.5, agg_scale=7.0),
+  "sat": dict(
+    clip_low=0.1, clip_high=0.3, dual_clip=2.0, quantile=0.8, kernel_power=1.5, agg_scale=7.0
   ),
 }
 
@@ -145,7 +157,9 @@ def assert_metrics_close(test, a, b, **tol):
 
 class PolicyLossBehaviourTest(chex.TestCase):
   def test_registry(self):
-    self.assertEqual(set(NAMES), {"ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo"})
+    self.assertEqual(
+      set(NAMES), {"ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat"}
+    )
     data = make_data(0, pad=0.0)
     args = (data["logp"], data["old_logp"], data["advantages"], data["mask"])
     for name in NAMES:
@@ -206,6 +220,8 @@ class PolicyLossBehaviourTest(chex.TestCase):
     """logp == old_logp, no clip active: grad = grad of aggregate(-w A logp)."""
     data = make_data(1)
     data["logp"] = data["old_logp"].copy()
+    if name in FOLDS_IS_WEIGHTS:
+      data["is_weights"] = np.where(data["mask"] > 0, 1.0, np.nan).astype(np.float32)
     aggs = (DEFAULT_AGG.get(name, "token-mean"), "seq-mean-token-sum")
     losses, metrics, grads = call(self.variant(evaluate(name, aggs, **WIDE[name])), data)
     weight = np.nan_to_num(data["is_weights"] * data["advantages"])
@@ -271,7 +287,7 @@ class PolicyLossBehaviourTest(chex.TestCase):
     for g in grads[1:]:
       np.testing.assert_array_equal(g, 0.0)
 
-  @parameterized.named_parameters(*NAMED)
+  @parameterized.named_parameters(*[(n, n) for n in NAMES if n not in BATCH_RELATIVE])
   def test_micro_batches_with_global_scale_equal_full_batch(self, name):
     data = make_data(5, batch=6)
     data["mask"][4] = 0.0  # a sequence without valid tokens
@@ -356,6 +372,7 @@ class PolicyLossBehaviourTest(chex.TestCase):
     ("ctpo", "ctpo", {}),
     ("minpro", "minpro", {}),
     ("aspo", "aspo", {}),
+    ("sat", "sat", {}),
   )
   def test_gradient_at_a_clip_bound_is_the_unclipped_gradient(self, name, extra):
     """A ratio exactly at a bound is inside the closed window: full gradient (as torch.clamp).
@@ -427,6 +444,11 @@ class PolicyLossValidationTest(parameterized.TestCase):
     ("aspo_dual", "aspo", dict(dual_clip=0.5), "dual_clip"),
     ("aspo_positive_dual", "aspo", dict(positive_dual_clip=1.0), "positive_dual_clip"),
     ("aspo_fraction", "aspo", dict(high_entropy_fraction=1.5), "high_entropy_fraction"),
+    ("vespo_k", "vespo", dict(k_pos=-1.0), "k_pos"),
+    ("vespo_lambda", "vespo", dict(lambda_neg=-1.0), "lambda_neg"),
+    ("sat_low", "sat", dict(clip_low=1.0), "clip_low"),
+    ("sat_quantile", "sat", dict(quantile=0.0), "quantile"),
+    ("sat_power", "sat", dict(kernel_power=0.0), "kernel_power"),
   )
   def test_bad_hyper_parameters(self, name, hyper, arg):
     data = make_data(0, pad=0.0)

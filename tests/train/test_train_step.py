@@ -205,6 +205,8 @@ _KL_KIND_FOR_LOSS = {
   "cispo": "k3",
   "sapo": "low_var_kl",
   "aspo": "k3+",
+  "vespo": "k1",
+  "sat": "k3",
 }
 
 
