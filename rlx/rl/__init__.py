@@ -6,6 +6,7 @@ Pieces, for a custom loop:
   learner = Learner(config, task, model_config, mesh)       # jitted log-probs / train step
   rollout = SyncRollout(sampler, num_samples=K, ...)        # collect(params, prompts, rng)
   state, metrics, batch = learner.iteration(state, ref_params, rollout, examples, rng)
+  state, metrics, batch = learner.update(state, ref_params, batch, examples)  # collected elsewhere
   rl_step = make_rl_step(learner, sampler)                  # the same iteration as ONE jit
   state, metrics = rl_step.from_examples(state, ref_params, examples, rng)
 

@@ -172,16 +172,58 @@ class Learner:
       rollout_version: their version (needed with `rollout_params`).
     """
     t0 = time.perf_counter()
-    version = self.version(state)
     if rollout_params is None:
-      rollout_params, rollout_version = state.params, version
+      rollout_params, rollout_version = state.params, self.version(state)
     elif rollout_version is None:
       raise ValueError("`rollout_version` is needed with `rollout_params`.")
     batch = rollout.collect(
       rollout_params, [e.prompt_ids for e in examples], rng, policy_version=int(rollout_version)
     )
     jax.block_until_ready(batch.tokens)
+    return self.update(
+      state,
+      ref_params,
+      batch,
+      examples,
+      behaviour_params=rollout_params,
+      refresh=getattr(rollout, "refresh", None),
+      rollout_s=time.perf_counter() - t0,
+    )
+
+  def update(
+    self,
+    state: train.TrainState,
+    ref_params: Any,
+    batch: _batch.RolloutBatch,
+    examples: Sequence[Any],
+    *,
+    behaviour_params: Any = None,
+    refresh: Any = None,
+    rollout_s: float = 0.0,
+  ) -> tuple[train.TrainState, dict[str, float], _batch.RolloutBatch]:
+    """Trains on a collected batch: rewards, advantages, log-probs, the train step, the refresh.
+
+    What `iteration` does after its rollout, for a driver that collects by
+    itself (e.g. partial rollouts, which choose their prompts).
+
+    Args:
+      state: the learner's train state.
+      ref_params: the KL reference params (None without KL).
+      batch: the `RolloutBatch` (N * K prompt-major rows, rewards unset).
+      examples: the N task examples its rows answer, K rows each.
+      behaviour_params: the single params version that sampled the batch, for
+        `rl.old_logp = "behaviour"`; None = `state.params`.
+      refresh: `refresh(params, batch) -> seconds` run after the update (the
+        FP8 rollout policy's), or None.
+      rollout_s: the seconds the rollout took, reported as `time/rollout_s`.
+
+    Returns:
+      (state, host metrics, the batch with its rewards).
+    """
     t1 = time.perf_counter()
+    version = self.version(state)
+    if behaviour_params is None:
+      behaviour_params = state.params
     rewards = self.rewards(batch, examples)
     batch = batch.with_rewards(rewards)
     adv, keep = self._advantages(batch.rewards)
@@ -189,7 +231,7 @@ class Learner:
     jax.block_until_ready(tb)
     t2 = time.perf_counter()
     tb = train.shard_batch(tb, self.mesh)
-    tb["old_logp"] = self._old_logp(state, rollout_params, tb)
+    tb["old_logp"] = self._old_logp(state, behaviour_params, tb)
     if self.uses_ref:
       tb["ref_logp"] = self.compute_logprobs(ref_params, tb)
     jax.block_until_ready(tb)
@@ -197,7 +239,6 @@ class Learner:
     state, train_metrics = self.train_step(state, tb)
     jax.block_until_ready(state.params)
     t4 = time.perf_counter()
-    refresh = getattr(rollout, "refresh", None)
     refresh_s = None if refresh is None else float(refresh(state.params, batch))
     t5 = time.perf_counter()
     metrics = {k: float(v) for k, v in train.to_host(self._metrics(batch, batch.rewards)).items()}
@@ -205,11 +246,11 @@ class Learner:
     metrics.update(_staleness.staleness_metrics(batch.policy_version, batch.response_mask, version))
     metrics.update(
       {
-        "time/rollout_s": t1 - t0,
+        "time/rollout_s": float(rollout_s),
         "time/reward_s": t2 - t1,
         "time/logp_s": t3 - t2,
         "time/train_s": t4 - t3,
-        "time/iteration_s": t5 - t0,
+        "time/iteration_s": float(rollout_s) + t5 - t1,
       }
     )
     if refresh_s is not None:

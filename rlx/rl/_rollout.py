@@ -473,22 +473,3 @@ class PartialRollout:
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
     self.engine.load_state_dict(state)
-
-
-class Collected:
-  """A `Rollout` that hands back an already collected batch (for `Learner.iteration`)."""
-
-  def __init__(self, batch: _batch.RolloutBatch, refresh: Any = None):
-    self.batch = batch
-    self.refresh = refresh  # the producing engine's `refresh` (FP8), or None
-
-  def collect(
-    self, params: Any, prompts: Sequence[Sequence[int]], rng: jax.Array, *, policy_version: int = 0
-  ) -> _batch.RolloutBatch:
-    """Returns the batch (its rows must answer `prompts`, G rows each)."""
-    del params, rng, policy_version
-    if self.batch.num_rows % max(len(prompts), 1):
-      raise ValueError(
-        f"{len(prompts)} prompts do not divide the batch's {self.batch.num_rows} rows."
-      )
-    return self.batch

@@ -10,12 +10,13 @@ Workdir layout:
   summary.json   accuracy_before, accuracy_after, wall_time_s, iterations, config, ...
 """
 
-import concurrent.futures
+import dataclasses
 import json
 import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ from rlx import objectives, policy, tasks, train
 from rlx.rl import (
   _cache,
   _config,
-  _data,
+  _driver,
   _evaluate,
   _learner,
   _logging,
@@ -177,8 +178,10 @@ def _check_workdir(config: ml_collections.ConfigDict, workdir: str) -> dict[str,
     return None
   now, before = _compared(current), _compared(saved)
   # A field added to the config after that run was recorded had its default then.
-  for key, value in _compared(_config.get_config().to_dict()).items():
-    before.setdefault(key, value)
+  defaults = _compared(_config.get_config().to_dict())
+  for key in now.keys() - before.keys():
+    if key in defaults:
+      before[key] = defaults[key]
   changed = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
   if changed:
     shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
@@ -229,11 +232,106 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       print(format_summary(finished))
     return finished
   notes = bool(config.log.progress_bar)
+  parts = _build(config)
+  learner, driver = parts.learner, parts.driver
+  abstract = train.abstract_train_state(parts.model_config, learner.train_config, parts.mesh)
+  ckpt = train.Checkpointer(
+    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
+  )
+  base_key = jax.random.PRNGKey(config.seed)
+  rollout_key = jax.random.fold_in(base_key, 1)
+  # The fused RL program compiles in a thread while the warm-up trains.
+  driver.compile_ahead(abstract, jax.random.fold_in(rollout_key, 0))
+
+  # --- warm-up (this run's, cached; or reused from another run) ---
+  warm = _warmstart.warm_start(
+    config,
+    workdir,
+    init_params=parts.init_params,
+    model_config=parts.model_config,
+    train_cfg=learner.train_config,
+    mesh=parts.mesh,
+    task=parts.task,
+    abstract=abstract,
+    evaluate=parts.evaluate,
+    seq_len=driver.width,
+    open_log=lambda: _logging.MetricsLog(
+      workdir,
+      resume_iteration=None,
+      tensorboard=config.log.tensorboard,
+      tensorboard_subdir="warmup",
+    ),
+    progress=notes,
+  )
+  ref_params = jax.tree.map(jnp.copy, warm.state.params) if learner.uses_ref else None
+  parts.warm_info = warm.info
+
+  # --- RL (resumable) ---
+  latest = ckpt.latest_step()
+  loop = _Loop(
+    state=warm.state,
+    cursor={"source": None, "iteration": 0, "rl_time_s": 0.0, "elapsed_s": 0.0, "stop": None},
+  )
+  extra = None
+  if latest is not None:
+    restored = ckpt.restore(abstract)
+    loop = _Loop(state=restored.state, cursor=restored.data_cursor)
+    extra = restored.extra or {}
+    loop.best_params = extra.get("best_params")
+  del warm
+  driver.start(loop.state, extra, loop.cursor["source"], resumed=latest is not None)
+  driver.wait_ahead(notes)
+  start = int(loop.cursor["iteration"])
+  log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
+  _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start)
+  ckpt.close()
+  summary = _summary(config, workdir, parts, loop, start if latest is not None else None)
+  this_process = time.perf_counter() - wall_start
+  # Time of earlier processes up to their last checkpoint + this process.
+  summary["wall_time_s"] = loop.elapsed_before + this_process
+  summary["wall_time_s_this_process"] = this_process
+  # TensorBoard: the test accuracy before (at iteration 0) and after, and the
+  # run's config with its headline figures in the HParams tab.
+  log.scalar("test/accuracy", summary["accuracy_before"], 0)
+  log.scalar("test/accuracy", summary["accuracy_after"], summary["iterations"])
+  log.hparams(
+    {  # every field but the display settings, where user code and the warm-up came from too
+      k: v
+      for k, v in _flat(json.loads(json.dumps(config.to_dict(), default=str))).items()
+      if not k.startswith("log.")
+    },
+    {k: summary[k] for k in ("accuracy_before", "accuracy_after", "improvement_points")},
+  )
+  log.close()
+  _write_json(os.path.join(workdir, "summary.json"), summary)
+  if config.log.print_summary:
+    print(format_summary(summary))
+  return summary
+
+
+@dataclasses.dataclass
+class _Parts:
+  """What a run is built from: the task, model, mesh, samplers, learner and rollout driver."""
+
+  task: Any
+  mesh: Any
+  model_config: Any
+  init_params: Any
+  dev: list
+  test: list
+  evaluate: Callable[[Any, Any], float]
+  learner: _learner.Learner
+  driver: _driver.RolloutDriver
+  warm_info: dict = dataclasses.field(default_factory=dict)
+
+
+def _build(config: ml_collections.ConfigDict) -> _Parts:
+  """The run's task, mesh, model, rollout and evaluation samplers, learner and driver."""
+  notes = bool(config.log.progress_bar)
   task = _config.make_task(config)
   mesh = build_mesh(config)
   model_config, init_params = build_model(config, task)
-  k = _config.samples_per_prompt(config)
-  rows = int(config.rl.prompts_per_iteration) * k
+  rows = int(config.rl.prompts_per_iteration) * _config.samples_per_prompt(config)
   rollout_kwargs = _rollout.sampler_kwargs(config, task, rows=rows, greedy=False)
   dev = _subset(task.split("dev"), config.eval.dev_examples)
   test = _subset(task.split("test"), config.eval.test_examples)
@@ -247,8 +345,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   eval_kwargs["max_slots"] = -(-min(eval_kwargs["max_slots"], eval_batch) // shards) * shards
   sampler = _rollout.make_sampler(model_config, rollout_kwargs, mesh)
   eval_sampler = _rollout.make_sampler(model_config, eval_kwargs, mesh)
-  seq_len = rollout_kwargs["max_prompt_len"] + rollout_kwargs["max_new_tokens"]
-
   greedy = _logging.note_first_call(
     _evaluate.greedy_accuracy, "the greedy evaluation sampler", enabled=notes
   )
@@ -259,236 +355,43 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return greedy(eval_sampler, params, task, examples, batch_size=eval_batch)
 
   learner = _learner.Learner(config, task, model_config, mesh)
-  train_cfg = learner.train_config
-  abstract = train.abstract_train_state(model_config, train_cfg, mesh)
-  ckpt = train.Checkpointer(
-    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
-  )
-  base_key = jax.random.PRNGKey(config.seed)
-  rollout_key = jax.random.fold_in(base_key, 1)
+  driver = _driver.RolloutDriver(config, learner, sampler, rollout_kwargs, task.split("train"))
+  return _Parts(task, mesh, model_config, init_params, dev, test, evaluate, learner, driver)
 
-  partial = float(config.rollout.over_provision) > 1.0
-  # FP8 rollout: one refresh object (rollout params + KV scales) for every path.
-  fp8 = _rollout.make_fp8_refresh(sampler)
-  staleness = int(config.rl.staleness)
-  fused = bool(
-    not partial
-    and staleness == 0
-    and config.rl.old_logp != "sampler"
-    and config.rl.fused
-    and learner.jax_reward is not None
-    and hasattr(sampler, "generate_fn")
-    and rows <= rollout_kwargs["max_slots"]
-  )
-  rl_step = _learner.make_rl_step(learner, sampler, fp8=fp8) if fused else None
-  train_examples = task.split("train")
-  # The fused RL program compiles in a thread while the warm-up trains (its
-  # inputs' shapes and shardings are known before the params are): the first
-  # RL iteration then runs it instead of compiling. Not with FP8 KV, whose
-  # scales exist only after the warm-up.
-  ahead = None
-  if fused and (fp8 is None or not fp8.kv_fp8):
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlx-compile")
-    ahead = pool.submit(
-      rl_step.compile_from_examples,
-      abstract,
-      abstract.params if learner.uses_ref else None,
-      train_examples[: int(config.rl.prompts_per_iteration)],
-      jax.random.fold_in(rollout_key, 0),
-    )
-    pool.shutdown(wait=False)  # the thread ends with its one task
 
-  # --- warm-up (this run's, cached; or reused from another run) ---
-  warm = _warmstart.warm_start(
-    config,
-    workdir,
-    init_params=init_params,
-    model_config=model_config,
-    train_cfg=train_cfg,
-    mesh=mesh,
-    task=task,
-    abstract=abstract,
-    evaluate=evaluate,
-    seq_len=seq_len,
-    open_log=lambda: _logging.MetricsLog(
-      workdir,
-      resume_iteration=None,
-      tensorboard=config.log.tensorboard,
-      tensorboard_subdir="warmup",
-    ),
-    progress=notes,
-  )
-  start_state, warm_info = warm.state, warm.info
-  ref_params = None
-  if learner.uses_ref:
-    ref_params = jax.tree.map(jnp.copy, start_state.params)
+@dataclasses.dataclass
+class _Loop:
+  """The RL loop's running state: train state, data cursor, best-dev params, stop reason."""
 
-  # --- RL (resumable) ---
-  latest = ckpt.latest_step()
-  if latest is not None:
-    restored = ckpt.restore(abstract)
-    state, cursor = restored.state, restored.data_cursor
-    rollout_buffer = (restored.extra or {}).get("rollout_buffer")
-    best_params = (restored.extra or {}).get("best_params")
-    kv_state = (restored.extra or {}).get("kv_scales")
-    stale_state = (restored.extra or {}).get("staleness")
-  else:
-    stale_state = None
-    rollout_buffer = None
-    best_params = None
-    kv_state = None
-    state = start_state
-    cursor = {
-      "source": None,
-      "iteration": 0,
-      "rl_time_s": 0.0,
-      "elapsed_s": 0.0,
-      "stop": None,
-    }
-  del start_state
-  start = int(cursor["iteration"])
-  elapsed_before = float(cursor.get("elapsed_s", 0.0))
-  source = _data.PromptSource(
-    train_examples,
-    # Partial rollouts pull a varying number of prompts one by one (the same stream).
-    batch_size=1 if partial else int(config.rl.prompts_per_iteration),
-    seed=int(config.seed) + 1,
-    cursor=cursor["source"],
-  )
-  if fp8 is not None and fp8.kv_fp8:
-    if kv_state:
-      fp8.load_state_dict(kv_state)
-    else:  # before the first update: the trainer's forward over the first train prompts
-      fp8.calibrate_prompts(
-        state.params,
-        [e.prompt_ids for e in train_examples[: int(config.rl.prompts_per_iteration)]],
-        num_samples=k,
-        width=seq_len,
-      )
-  rollout = _rollout.SyncRollout(
-    sampler,
-    num_samples=k,
-    max_prompt_len=rollout_kwargs["max_prompt_len"],
-    max_new_tokens=rollout_kwargs["max_new_tokens"],
-    fp8=fp8,
-  )
-  partial_rollout = None
-  if partial:
-    partial_rollout = _rollout.PartialRollout(
-      sampler,
-      num_samples=k,
-      target_groups=int(config.rl.prompts_per_iteration),
-      over_provision=float(config.rollout.over_provision),
-      fp8=fp8,
-    )
-    if rollout_buffer is not None:
-      partial_rollout.load_state_dict(rollout_buffer)
-    elif latest is not None:
-      warnings.warn(
-        "Resuming with partial rollouts from a checkpoint without a rollout buffer: "
-        "starting with an empty buffer.",
-        stacklevel=2,
-      )
-  rollout_params = _staleness.RolloutParams(
-    staleness,
-    config.rl.staleness_mode,
-    updates_per_iteration=train.updates_per_step(train_cfg),
-    place=config.rl.staleness_ring,
-    put=lambda tree: train.shard_params(tree, model_config, mesh),
-  )
-  if stale_state:
-    rollout_params.load_state_dict(stale_state)
-  elif latest is not None and staleness:
-    warnings.warn(
-      "Resuming with rl.staleness > 0 from a checkpoint without held param versions: the "
-      "ring starts again from the current params.",
-      stacklevel=2,
-    )
-  index_of = {id(e): i for i, e in enumerate(train_examples)}
+  state: Any
+  cursor: dict
+  best_params: Any = None
+  rl_time: float = 0.0
+  stop_reason: str | None = None
+  elapsed_before: float = 0.0  # wall-clock seconds of earlier processes of this run
 
-  def pull(n):  # the next n fresh prompts as (index in the train split, prompt ids)
-    out = []
-    for _ in range(n):
-      e = source.next_batch()[0]
-      out.append((index_of[id(e)], e.prompt_ids))
-    return out
 
-  # One note per first compile: the first RL iteration compiles the rollout,
-  # log-prob and train programs (or the one fused program).
-  what = "the fused RL iteration (sampler + reward + train step)"
-  if not fused:
-    what = "the RL iteration (sampler, log-probs, train step)"
-  refresh_probe_s = None
-  if fused and fp8 is not None:  # refreshed inside the fused program: time the work standalone
-    refresh_probe_s = fp8.time_refresh(
-      state.params,
-      [e.prompt_ids for e in train_examples[: int(config.rl.prompts_per_iteration)]],
-      num_samples=k,
-      width=seq_len,
-    )
-
-  def one_iteration(state, rng, t0):
-    if fused:  # on-policy: the batch's tokens have staleness 0
-      examples = source.next_batch()
-      state, device_metrics = rl_step.from_examples(state, ref_params, examples, rng)
-      metrics = _learner._host_floats(device_metrics)
-      metrics["time/fused_s"] = time.perf_counter() - t0
-      n = int(metrics["response_tokens"])
-      metrics.update(
-        staleness_mean=0.0, staleness_min=0.0, staleness_max=0.0, staleness_hist={"0": n}
-      )
-      return state, metrics
-    params, version = rollout_params.select(state.params, learner.version(state))
-    if partial:
-      batch, keys = partial_rollout.collect_groups(params, pull, rng, policy_version=version)
-      examples = [train_examples[int(i)] for i in keys]
-      t_rollout = time.perf_counter() - t0
-      state, metrics, _ = learner.iteration(
-        state, ref_params, _rollout.Collected(batch, refresh=partial_rollout.refresh), examples, rng
-      )
-      metrics["time/rollout_s"] += t_rollout
-      metrics.update(partial_rollout.metrics())
-    else:
-      examples = source.next_batch()
-      state, metrics, _ = learner.iteration(
-        state, ref_params, rollout, examples, rng, rollout_params=params, rollout_version=version
-      )
-    return state, metrics
-
-  if ahead is not None:
-    waited = time.perf_counter()
-    try:
-      ahead.result()
-    except Exception as e:  # noqa: BLE001 (the first call compiles it and raises what is wrong)
-      warnings.warn(
-        f"Compiling {what} ahead of time failed ({type(e).__name__}: {e}); it compiles at "
-        "its first call instead.",
-        stacklevel=2,
-      )
-    else:
-      if notes:
-        _logging.note(
-          f"rlx: {what} compiled during the warm-up (waited "
-          f"{time.perf_counter() - waited:.1f} s more for it)"
-        )
-    ahead = None
-  iterate = _logging.note_first_call(one_iteration, what, enabled=notes)
-  log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
+def _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start):
+  """Runs the RL iterations left (evaluating, logging, checkpointing); updates `loop`."""
+  driver, cursor = parts.driver, loop.cursor
+  notes = bool(config.log.progress_bar)
+  iterate = _logging.note_first_call(driver.iteration, driver.what, enabled=notes)
   total = int(config.rl.iterations)
-  stop_reason = cursor.get("stop")
+  start = iteration = int(cursor["iteration"])
+  elapsed_before = loop.elapsed_before = float(cursor.get("elapsed_s", 0.0))
+  loop.stop_reason = cursor.get("stop")
+  loop.rl_time = float(cursor["rl_time_s"])
   bar = None
-  if config.log.progress_bar and start < total and stop_reason is None:
+  if config.log.progress_bar and start < total and loop.stop_reason is None:
     import tqdm  # noqa: PLC0415
 
     bar = tqdm.tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
-  rl_time = float(cursor["rl_time_s"])
   dev_accuracy = None
-  iteration = start
   phase_start = time.perf_counter()
-  while stop_reason is None and iteration < total:
+  while loop.stop_reason is None and iteration < total:
     rng = jax.random.fold_in(rollout_key, iteration)
     t0 = time.perf_counter()
-    state, metrics = iterate(state, rng, t0)
+    loop.state, metrics = iterate(loop.state, ref_params, rng, t0)
     seconds = time.perf_counter() - t0
     metrics["time/iteration_s"] = seconds
     metrics["response_tokens_per_s"] = metrics["response_tokens"] / max(seconds, 1e-9)
@@ -496,22 +399,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     record = {"phase": "rl", "iteration": iteration, **metrics}
     last = iteration == total
     if config.eval.every and (iteration % config.eval.every == 0 or last):
-      dev_accuracy = evaluate(state.params, dev)
+      dev_accuracy = parts.evaluate(loop.state.params, parts.dev)
       log.write({"phase": "eval", "iteration": iteration, "dev_accuracy": dev_accuracy})
       record["dev_accuracy"] = dev_accuracy
       best_dev = cursor.get("best_dev_accuracy")
       if best_dev is None or dev_accuracy > best_dev:  # model selection on the dev split
-        best_params = jax.tree.map(lambda x: np.array(x, copy=True), state.params)
+        loop.best_params = jax.tree.map(lambda x: np.array(x, copy=True), loop.state.params)
         cursor = {**cursor, "best_dev_accuracy": dev_accuracy, "best_iteration": iteration}
     log.write(record)
-    rl_time += time.perf_counter() - t0
+    loop.rl_time += time.perf_counter() - t0
     if config.rl.target_dev_accuracy and dev_accuracy is not None:
       if dev_accuracy >= config.rl.target_dev_accuracy:
-        stop_reason = f"dev accuracy {dev_accuracy:.3f} >= rl.target_dev_accuracy"
+        loop.stop_reason = f"dev accuracy {dev_accuracy:.3f} >= rl.target_dev_accuracy"
     if config.rl.max_time_s and time.perf_counter() - phase_start >= config.rl.max_time_s:
-      stop_reason = f"rl.max_time_s={config.rl.max_time_s} reached"
-      warnings.warn(f"Stopping RL after {iteration} iterations: {stop_reason}.", stacklevel=2)
-    done = last or stop_reason is not None
+      loop.stop_reason = f"rl.max_time_s={config.rl.max_time_s} reached"
+      warnings.warn(f"Stopping RL after {iteration} iterations: {loop.stop_reason}.", stacklevel=2)
     if bar is not None:
       post = {
         "reward": f"{metrics['reward_mean']:.3f}",
@@ -521,34 +423,34 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         post["dev_acc"] = f"{dev_accuracy:.3f}"
       bar.set_postfix(post)
       bar.update(1)
-    if done or iteration % config.checkpoint.every == 0:
+    if last or loop.stop_reason is not None or iteration % config.checkpoint.every == 0:
       cursor = {
-        "source": source.cursor,
+        "source": driver.source.cursor,
         "iteration": iteration,
-        "rl_time_s": rl_time,
+        "rl_time_s": loop.rl_time,
         "elapsed_s": elapsed_before + time.perf_counter() - wall_start,
-        "stop": stop_reason,
+        "stop": loop.stop_reason,
         "best_dev_accuracy": cursor.get("best_dev_accuracy"),
         "best_iteration": cursor.get("best_iteration"),
       }
-      extra = {"rng": np.asarray(base_key)}
-      if best_params is not None:
-        extra["best_params"] = best_params
-      if partial:
-        extra["rollout_buffer"] = partial_rollout.state_dict()
-      if fp8 is not None and fp8.kv_scales is not None:
-        extra["kv_scales"] = fp8.state_dict()
-      if rollout_params.state_dict():
-        extra["staleness"] = rollout_params.state_dict()
-      ckpt.save(iteration, state, data_cursor=cursor, extra=extra, force=True)
+      extra = {"rng": np.asarray(base_key), **driver.state_dict()}
+      if loop.best_params is not None:
+        extra["best_params"] = loop.best_params
+      ckpt.save(iteration, loop.state, data_cursor=cursor, extra=extra, force=True)
   if bar is not None:
     bar.close()
-  ckpt.close()
+  loop.cursor = cursor
 
-  accuracy_after = evaluate(state.params, test)
+
+def _summary(config, workdir, parts, loop, resumed_from) -> dict[str, Any]:
+  """The run's summary (test accuracies, timings, staleness, config); evaluates the test split."""
+  state, cursor, driver = loop.state, loop.cursor, parts.driver
+  warm_info = parts.warm_info
+  accuracy_after = parts.evaluate(state.params, parts.test)
   accuracy_best_dev = accuracy_after
-  if best_params is not None and cursor.get("best_iteration") != int(cursor["iteration"]):
-    accuracy_best_dev = evaluate(train.shard_params(best_params, model_config, mesh), test)
+  if loop.best_params is not None and cursor.get("best_iteration") != int(cursor["iteration"]):
+    best = train.shard_params(loop.best_params, parts.model_config, parts.mesh)
+    accuracy_best_dev = parts.evaluate(best, parts.test)
   accuracy_before = float(warm_info["test_accuracy"])
   plots = []
   if config.log.plots:
@@ -560,13 +462,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         warmup_dev_accuracy=warm_info["dev_accuracy"],
       )
     )
-  summary_path = os.path.join(workdir, "summary.json")
   records = _logging.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   rl_records = [r for r in records if r.get("phase") == "rl"]
   stale_hist = _staleness.merge_histograms([r.get("staleness_hist") or {} for r in rl_records])
   stale_tokens = sum(stale_hist.values())
-  summary = {
-    "task": task.name,
+  refresh_s = [r["time/refresh_s"] for r in rl_records if "time/refresh_s" in r]
+  iterations = int(cursor["iteration"])
+  return {
+    "task": parts.task.name,
     "loss": config.train.loss,
     "baseline": config.rl.baseline,
     "accuracy_before": accuracy_before,
@@ -578,33 +481,29 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     "improvement_points_best_dev": 100.0 * (accuracy_best_dev - accuracy_before),
     "best_dev_accuracy": cursor.get("best_dev_accuracy"),
     "best_dev_iteration": cursor.get("best_iteration"),
-    "iterations": int(cursor["iteration"]),
-    "stop_reason": stop_reason,
+    "iterations": iterations,
+    "stop_reason": loop.stop_reason,
     "warmup_steps": warm_info["steps"],
     "warmup_dev_accuracy": warm_info["dev_accuracy"],
     "warmup_time_s": warm_info["time_s"],
     # The warm-up directory this run's warm-up was reused from (warmup.init_from).
     "warmup_reused_from": warm_info.get("reused_from"),
-    "rl_time_s": rl_time,
-    "seconds_per_iteration": rl_time / max(int(cursor["iteration"]), 1),
+    "rl_time_s": loop.rl_time,
+    "seconds_per_iteration": loop.rl_time / max(iterations, 1),
     "final_reward_mean": rl_records[-1]["reward_mean"] if rl_records else math.nan,
-    "fused_rl_step": fused,
+    "fused_rl_step": driver.fused,
     # Mean seconds of the FP8 rollout refresh per update (host-driven path; with
     # the fused step, which refreshes inside its program, the same work timed
     # standalone once; None without FP8).
-    "refresh_s_mean": (
-      float(np.mean([r["time/refresh_s"] for r in rl_records if "time/refresh_s" in r]))
-      if any("time/refresh_s" in r for r in rl_records)
-      else refresh_probe_s
-    ),
-    "rollout_weight_dtype": rollout_kwargs["weight_dtype"],
-    "rollout_kv_dtype": rollout_kwargs["kv_dtype"],
+    "refresh_s_mean": float(np.mean(refresh_s)) if refresh_s else driver.refresh_probe_s,
+    "rollout_weight_dtype": driver.rollout_kwargs["weight_dtype"],
+    "rollout_kv_dtype": driver.rollout_kwargs["kv_dtype"],
     "wall_time_s": None,
-    "resumed_from_iteration": start if latest is not None else None,
+    "resumed_from_iteration": resumed_from,
     "plots": plots,
     "workdir": workdir,
     # The embedded arithmetic tasks have gold answers a supervised run could use.
-    "note": SUPERVISED_NOTE if isinstance(task, tasks.ArithmeticTask) else None,
+    "note": SUPERVISED_NOTE if isinstance(parts.task, tasks.ArithmeticTask) else None,
     # Optimizer updates skipped for a non-finite loss or gradient (train.nonfinite).
     "skipped_updates": int(rl_records[-1].get("skipped_total") or 0) if rl_records else 0,
     # Staleness of the trained tokens at their batch's first update, in optimizer
@@ -616,27 +515,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     "staleness_hist": stale_hist,
     "config": config.to_dict(),
   }
-  this_process = time.perf_counter() - wall_start
-  # Time of earlier processes up to their last checkpoint + this process.
-  summary["wall_time_s"] = elapsed_before + this_process
-  summary["wall_time_s_this_process"] = this_process
-  # TensorBoard: the test accuracy before (at iteration 0) and after, and the
-  # run's config with its headline figures in the HParams tab.
-  log.scalar("test/accuracy", accuracy_before, 0)
-  log.scalar("test/accuracy", accuracy_after, int(cursor["iteration"]))
-  log.hparams(
-    {  # every field but the display settings, where user code and the warm-up came from too
-      k: v
-      for k, v in _flat(json.loads(json.dumps(config.to_dict(), default=str))).items()
-      if not k.startswith("log.")
-    },
-    {k: summary[k] for k in ("accuracy_before", "accuracy_after", "improvement_points")},
-  )
-  log.close()
-  _write_json(summary_path, summary)
-  if config.log.print_summary:
-    print(format_summary(summary))
-  return summary
 
 
 def _fmt(value: Any) -> str:
