@@ -17,7 +17,6 @@ import pytest
 import rl_test_utils
 
 from rlx import policy, rl, sampling, tasks, train
-from rlx.rl import _rollout
 
 rl_test_utils.register_test_tasks()
 TASK = rl_test_utils.FIRST_TOKEN
@@ -44,8 +43,8 @@ def _setup():
   task = tasks.make_task(TASK, **config.task.kwargs.to_dict())
   mesh = rl.build_mesh(config)
   model_config, params = rl.build_model(config, task)
-  kwargs = _rollout.sampler_kwargs(config, task, rows=8, greedy=False)
-  sampler = _rollout.make_sampler(model_config, kwargs, mesh)
+  kwargs = rl.sampler_kwargs(config, task, rows=8, greedy=False)
+  sampler = rl.make_sampler(model_config, kwargs, mesh)
   learner = rl.Learner(config, task, model_config, mesh)
   return config, task, mesh, model_config, params, sampler, learner, kwargs
 
@@ -80,17 +79,17 @@ def test_bad_fp8_fields_raise(overrides, match):
 def test_kv_dtype_is_one_field_and_evaluation_stays_high_precision():
   config, task = _config(), _setup()[1]
   assert "kv_dtype" not in rl.get_config().sampler  # one field: rollout.kv_dtype
-  roll = _rollout.sampler_kwargs(config, task, rows=4, greedy=False)
-  evaluation = _rollout.sampler_kwargs(config, task, rows=4, greedy=True)
+  roll = rl.sampler_kwargs(config, task, rows=4, greedy=False)
+  evaluation = rl.sampler_kwargs(config, task, rows=4, greedy=True)
   assert (roll["weight_dtype"], roll["kv_dtype"]) == ("fp8_e4m3", "fp8_e4m3")
   assert (evaluation["weight_dtype"], evaluation["kv_dtype"]) == ("auto", "auto")
   default = rl_test_utils.tiny_config()
-  assert _rollout.sampler_kwargs(default, task, rows=4, greedy=False)["kv_dtype"] == "float32"
+  assert rl.sampler_kwargs(default, task, rows=4, greedy=False)["kv_dtype"] == "float32"
   # A config that still sets the old sampler field is read as rollout.kv_dtype ...
   legacy = rl_test_utils.tiny_config()
   legacy.sampler.kv_dtype = "bfloat16"
   rl.validate_config(legacy)
-  assert _rollout.sampler_kwargs(legacy, task, rows=4, greedy=True)["kv_dtype"] == "bfloat16"
+  assert rl.sampler_kwargs(legacy, task, rows=4, greedy=True)["kv_dtype"] == "bfloat16"
   # ... unless both are set and disagree.
   legacy.rollout.kv_dtype = "fp8_e5m2"
   with pytest.raises(ValueError, match="disagree"):
@@ -206,7 +205,7 @@ def _model_and_train(config):
 def test_rollout_params_are_quantized_into_the_fp8_layout_on_the_mesh():
   config, task, _, model_config, params, _, _, kwargs = _setup()
   mesh = train.make_mesh(2, 2, 2, devices=jax.devices()[:8])
-  sampler = _rollout.make_sampler(model_config, kwargs, mesh)
+  sampler = rl.make_sampler(model_config, kwargs, mesh)
   fp8 = rl.Fp8Refresh(sampler)
   sharded = train.shard_params(params, model_config, mesh)
   rollout_params = fp8.rollout_params(sharded)

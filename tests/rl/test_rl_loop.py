@@ -8,7 +8,6 @@ import pytest
 import rl_test_utils
 
 from rlx import objectives, rl, tasks, train
-from rlx.rl import _rollout
 
 rl_test_utils.register_test_tasks()
 TASK = rl_test_utils.FIRST_TOKEN
@@ -21,8 +20,8 @@ def _setup():
   task = tasks.make_task(TASK, **config.task.kwargs.to_dict())
   mesh = rl.build_mesh(config)
   model_config, params = rl.build_model(config, task)
-  kwargs = _rollout.sampler_kwargs(config, task, rows=10, greedy=False)
-  sampler = _rollout.make_sampler(model_config, kwargs, mesh)
+  kwargs = rl.sampler_kwargs(config, task, rows=10, greedy=False)
+  sampler = rl.make_sampler(model_config, kwargs, mesh)
   logprobs = train.make_compute_logprobs(model_config, rl.train_config(config), mesh)
   return config, task, mesh, model_config, params, sampler, logprobs, kwargs
 

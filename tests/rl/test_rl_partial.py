@@ -15,7 +15,6 @@ import pytest
 import rl_test_utils
 
 from rlx import rl, train
-from rlx.rl import _rollout
 
 TIME_KEYS = ("time/", "tokens_per_s")
 
@@ -87,7 +86,7 @@ def test_killed_run_with_a_buffer_resumes_and_loses_nothing(tmp_path, monkeypatc
 
   # Crash inside the 4th collection (the iteration-2 checkpoint holds a buffer), restart.
   crashed = str(tmp_path / "crashed")
-  original = _rollout.PartialRollout.collect_groups
+  original = rl.PartialRollout.collect_groups
   calls = []
 
   def crashing(self, *args, **kwargs):
@@ -96,10 +95,10 @@ def test_killed_run_with_a_buffer_resumes_and_loses_nothing(tmp_path, monkeypatc
       raise KeyboardInterrupt("killed")
     return original(self, *args, **kwargs)
 
-  monkeypatch.setattr(_rollout.PartialRollout, "collect_groups", crashing)
+  monkeypatch.setattr(rl.PartialRollout, "collect_groups", crashing)
   with pytest.raises(KeyboardInterrupt):
     rl.run(config, crashed)
-  monkeypatch.setattr(_rollout.PartialRollout, "collect_groups", original)
+  monkeypatch.setattr(rl.PartialRollout, "collect_groups", original)
   deadline = time.time() + 60  # the asynchronous save of step 2 finishes in the background
   while "2" not in os.listdir(os.path.join(crashed, "checkpoints")) and time.time() < deadline:
     time.sleep(0.1)
