@@ -48,7 +48,6 @@ import numpy as np
 from absl import app, flags
 
 from rlx import policy, sampling
-from rlx.sampling._partial import RolloutEngine
 
 _TARGET = flags.DEFINE_integer("target_groups", 16, "Complete groups per collection.")
 _G = flags.DEFINE_integer("group", 4, "Samples per prompt (G).")
@@ -135,7 +134,9 @@ def main(argv):
 
   def partial_mode(cont, factor, seed):
     source = _Prompts(v, k, seed)
-    engine = RolloutEngine(cont, num_samples=g, target_groups=target, over_provision=factor)
+    engine = sampling.RolloutEngine(
+      cont, num_samples=g, target_groups=target, over_provision=factor
+    )
 
     def collect(p, rng, version):
       t0 = time.perf_counter()

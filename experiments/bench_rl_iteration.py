@@ -33,7 +33,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from rlx import rl, train
-from rlx.rl import _rollout
 
 _DEFAULT_CONFIG = os.path.join(
   os.path.dirname(os.path.abspath(__file__)), "configs", "arithmetic.py"
@@ -53,8 +52,8 @@ def main(argv):
   learner = rl.Learner(config, task, model_config, mesh)
   k = learner.group_size
   n = int(config.rl.prompts_per_iteration)
-  kwargs = _rollout.sampler_kwargs(config, task, rows=n * k, greedy=False)
-  sampler = _rollout.make_sampler(model_config, kwargs, mesh)
+  kwargs = rl.sampler_kwargs(config, task, rows=n * k, greedy=False)
+  sampler = rl.make_sampler(model_config, kwargs, mesh)
   rollout = rl.SyncRollout(
     sampler,
     num_samples=k,

@@ -64,7 +64,6 @@ import numpy as np
 from absl import app, flags
 
 from rlx import policy, sampling
-from rlx.sampling import _engine
 
 _LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
 _HIDDEN = flags.DEFINE_integer("hidden", 64, "Model width.")
@@ -149,7 +148,7 @@ def _rlx_row(mc, params, prompts, temperature, top_k=0, top_p=1.0) -> Row:
   key = jax.random.key(1)
 
   def make():
-    _engine.engine_for.cache_clear()  # a fresh Engine: its jitted functions compile again
+    sampling.clear_compile_cache()  # fresh jitted functions: they compile again
     return sampling.Sampler(mc, cfg)
 
   def call(sampler):
@@ -413,20 +412,8 @@ def _speed_table(rows: list[Row], built: dict) -> list[str]:
 def _decode_ops(row: Row) -> set[str]:
   """Primitive names in the jaxpr of rlx's decode window (traced, not compiled)."""
   sampler = row.make()
-  eng, cfg = sampler._engine, sampler.config
-  pool = jax.eval_shape(lambda: eng.empty_pool(cfg.num_pages))
-  pages = _engine.PageState(
-    np.zeros((cfg.max_slots, eng.pages_per_sequence), np.int32),
-    np.zeros((cfg.num_pages,), np.int32),
-    np.arange(cfg.num_pages, dtype=np.int32),
-    np.int32(cfg.num_pages),
-  )
-  slots = _engine.empty_slots(cfg.max_slots, cfg.max_new_tokens)
-  ones = np.ones((_LAYERS.value, _KV_HEADS.value), np.float32)
   params = jax.eval_shape(lambda: policy.init_params(sampler.model_config, jax.random.key(0)))
-  jaxpr = jax.make_jaxpr(lambda *a: eng._decode_loop(*a, allocate=True))(
-    params, pool, pages, slots, jax.random.key(0), ones, ones, sampler._knobs(1, 1)
-  )
+  jaxpr = sampler.trace_decode(params).jaxpr
   names = set()
 
   def walk(x):

@@ -12,10 +12,21 @@
   (https://arxiv.org/abs/2412.19437; DeepGEMM), with the quantizers
   `quantize_fp8_blockwise` / `quantize_fp8_per_token_group`.
 
+Dispatch: `impl="auto"` runs the Pallas kernel of the platform the inputs live on
+(XLA reference math on CPU); `arrays_platform(*arrays)` names that platform
+(`default_platform()` when no input is placed) and `resolve_impl(impl, interpret,
+platform)` the implementation a call takes, for callers that choose their own
+kernels the same way.
+
 Every kernel runs on CPU in Pallas interpret mode (`interpret=True`, or
 `interpret=pltpu.InterpretParams()` for the TPU kernels); see tests/kernels_pallas.
 """
 
+from rlx.kernels_pallas._common import (
+  arrays_platform,
+  default_platform,
+  resolve_impl,
+)
 from rlx.kernels_pallas._fp8_matmul import (
   fp8_blockwise_matmul,
   fp8_blockwise_matmul_reference,
@@ -43,6 +54,8 @@ from rlx.kernels_pallas._paged_prefill_attention import (
 
 __all__ = (
   "PagedAttentionBlockSizes",
+  "arrays_platform",
+  "default_platform",
   "dequantize_fp8_blockwise",
   "fp8_blockwise_matmul",
   "fp8_blockwise_matmul_reference",
@@ -53,6 +66,7 @@ __all__ = (
   "paged_prefill_attention_reference",
   "quantize_fp8_blockwise",
   "quantize_fp8_per_token_group",
+  "resolve_impl",
   "saturating_cast",
   "validate_paged_attention_inputs",
   "write_kv_pages",

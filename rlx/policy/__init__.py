@@ -32,8 +32,9 @@ FP8 linears: `quantize_linears(params, dtype)` replaces every decoder linear
 kernel by an `Fp8Kernel(values, scale)` (128x128 blocks); the same decoder
 then runs those layers W8A8 (dynamic 1x128 activation scales,
 `rlx.kernels_pallas.fp8_blockwise_matmul`), chosen per leaf at one dispatch
-point. Embeddings, LM head, norms and biases stay dense. `check_params(...,
-allow_fp8=True)` accepts such trees (training does not).
+point, `linear(p, x, dtype)` (every decoder linear layer). Embeddings, LM
+head, norms and biases stay dense. `check_params(..., allow_fp8=True)` accepts
+such trees (training does not).
 
 Per-layer parameter hook: `layer_params_fn(layer) -> layer` runs on each
 block's parameter slice inside the layer scan (rlx.train uses it to all-gather
@@ -78,6 +79,7 @@ from rlx.policy._model import (
   layer_finish,
   layer_qkv,
   layer_scan,
+  linear,
   lm_head_kernel,
   logits_from_hidden,
   param_shapes,
@@ -126,6 +128,7 @@ __all__ = (
   "layer_finish",
   "layer_qkv",
   "layer_scan",
+  "linear",
   "lm_head_kernel",
   "logits_from_hidden",
   "param_shapes",

@@ -49,7 +49,7 @@ FP8 linears (W8A8). A decoder linear's `kernel` leaf is either a dense
 `[L, K, N]` array or an `Fp8Kernel(values, scale)`: FP8 values `[L, K, N]`
 with float32 scales `[L, ceil(K/128), ceil(N/128)]`, one per 128x128 block
 (`quantize_linears`; DeepSeek-V3, https://arxiv.org/abs/2412.19437, Sec. 3.3).
-`_linear` is the one dispatch point: a dense kernel runs an einsum in the
+`linear` is the one dispatch point: a dense kernel runs an einsum in the
 compute dtype, an `Fp8Kernel` quantizes the activations per token and
 128-wide K group on the fly and runs `rlx.kernels_pallas.fp8_blockwise_matmul`
 (as vLLM's `W8A8BlockFp8LinearOp`). An `Fp8Kernel` is a registered pytree
@@ -120,7 +120,7 @@ class Fp8Kernel:
 
   `kernel ~= values.astype(f32) * scale` repeated over 128x128 blocks (the
   convention of `rlx.kernels_pallas.quantize_fp8_blockwise`). Stands in for a
-  dense `kernel` leaf of a decoder linear; `_linear` runs it as W8A8 with
+  dense `kernel` leaf of a decoder linear; `linear` runs it as W8A8 with
   dynamic 1x128 activation scales. A registered pytree with two array leaves
   (`values`, `scale`), so it passes jit, `lax.scan` slicing and `tree_map`
   like any parameter, but it refuses every conversion to a plain array: the
@@ -464,8 +464,20 @@ def _fp8_linear(kernel: Fp8Kernel, x: Array, dtype: Any) -> Array:
   return y.reshape(*lead, n)
 
 
-def _linear(p: Params, x: Array, dtype: Any) -> Array:
-  """The one dispatch point of the decoder linears: dense einsum or FP8 W8A8 (module doc)."""
+def linear(p: Params, x: Array, dtype: Any) -> Array:
+  """A decoder linear layer, `y = x @ kernel (+ bias)`: the one dispatch point of the linears.
+
+  A dense kernel runs a matmul in `dtype`; an `Fp8Kernel` runs W8A8 (dynamic
+  1x128 activation scales, `rlx.kernels_pallas.fp8_blockwise_matmul`; module doc).
+
+  Args:
+    p: one linear's params, `{"kernel": [in, out] array or Fp8Kernel, "bias"?: [out]}`.
+    x: activations with shape `[..., in]`.
+    dtype: the compute dtype (e.g. `config.compute_dtype`).
+
+  Returns:
+    `[..., out]` in `dtype`.
+  """
   kernel = p["kernel"]
   if _is_fp8_kernel(kernel):
     y = _fp8_linear(kernel, x, dtype)
@@ -520,9 +532,9 @@ def layer_qkv(
   b, s, _ = x.shape
   attn = layer["attn"]
   h = rms_norm(x, layer["input_norm"]["scale"], config.rms_norm_eps)
-  q = _linear(attn["q_proj"], h, dtype).reshape(b, s, config.num_heads, config.head_dim)
-  k = _linear(attn["k_proj"], h, dtype).reshape(b, s, config.num_kv_heads, config.head_dim)
-  v = _linear(attn["v_proj"], h, dtype).reshape(b, s, config.num_kv_heads, config.head_dim)
+  q = linear(attn["q_proj"], h, dtype).reshape(b, s, config.num_heads, config.head_dim)
+  k = linear(attn["k_proj"], h, dtype).reshape(b, s, config.num_kv_heads, config.head_dim)
+  v = linear(attn["v_proj"], h, dtype).reshape(b, s, config.num_kv_heads, config.head_dim)
   if config.qk_norm:
     q = rms_norm(q, attn["q_norm"]["scale"], config.rms_norm_eps)
     k = rms_norm(k, attn["k_norm"]["scale"], config.rms_norm_eps)
@@ -556,11 +568,11 @@ def layer_finish(
   if attn_out.shape != want:
     raise ValueError(f"`attn_out` must have shape {want}, got {attn_out.shape}.")
   attn_out = attn_out.astype(dtype).reshape(b, s, config.num_heads * config.head_dim)
-  x = x + _linear(layer["attn"]["o_proj"], attn_out, dtype)
+  x = x + linear(layer["attn"]["o_proj"], attn_out, dtype)
   h = rms_norm(x, layer["post_attn_norm"]["scale"], config.rms_norm_eps)
   mlp = layer["mlp"]
-  gated = jax.nn.silu(_linear(mlp["gate_proj"], h, dtype)) * _linear(mlp["up_proj"], h, dtype)
-  return x + _linear(mlp["down_proj"], gated, dtype)
+  gated = jax.nn.silu(linear(mlp["gate_proj"], h, dtype)) * linear(mlp["up_proj"], h, dtype)
+  return x + linear(mlp["down_proj"], gated, dtype)
 
 
 def final_norm(params: Params, config: ModelConfig, x: Float[Array, "B S D"]) -> Array:

@@ -37,6 +37,7 @@ from rlx.rl._cache import (
 )
 from rlx.rl._config import (
   BASELINES,
+  NOT_COMPARED,
   check_fields,
   get_config,
   import_user_code,
@@ -107,6 +108,7 @@ __all__ = (
   "Fp8Refresh",
   "Learner",
   "MetricsLog",
+  "NOT_COMPARED",
   "PartialRollout",
   "PromptSource",
   "RLStep",

@@ -26,14 +26,28 @@ unfinished groups, per-token behaviour log-probs and versions):
   sampler.generate_requests(params, rows, prompt_index=..., sample_index=..., rng=key,
                             prefix_tokens=..., prefix_logprobs=..., stop_when=f)  # resume
 
+Compiled programs (e.g. to check that a call did not recompile):
+
+  sampler.compile_counts()       # {"decode": 1, "prefill": 1, "copy_pages": 1}
+  sampler.shares_compiled_programs(other)   # configs differ only in traced values
+  sampler.trace_decode(params).jaxpr        # the decode window, traced (or .lower())
+  fp8_compile_counts()           # {"quantize_params": n, "calibrate_kv_scales": n}
+  clear_compile_cache()          # next samplers compile afresh (cold-start benchmarks)
+
+The draw: `sample_uniforms(rng, prompt_index, sample_index, step)` is
+`key_uniforms(sample_keys(...))` fused, and `inverse_cdf(weights, u)` turns
+one uniform per row into a token.
+
 Rows are prompt-major: row i * num_samples + j is sample j of prompt i. The
 decode step is the policy's own layer scan (`rlx.policy.layer_scan`) with the
 stacked page pool in its carry and `rlx.kernels_pallas.paged_attention` /
 `write_kv_pages` as the attention hook; see `rlx.sampling._engine` (device
-side), `rlx.sampling._scheduler` (admission, preemption, chunked prefill) and
-`rlx.sampling._pages` (free stack, reference counts, prefix sharing).
+side) and `rlx.sampling.scheduling` (the host side, public: `Scheduler` for
+admission, preemption and chunked prefill, `PageManager` for the free stack,
+reference counts and prefix sharing).
 """
 
+from rlx.sampling import scheduling
 from rlx.sampling._config import (
   KV_DTYPES,
   WEIGHT_DTYPES,
@@ -43,6 +57,7 @@ from rlx.sampling._fp8 import (
   K_HEADROOM,
   V_HEADROOM,
   calibrate_kv_scales,
+  fp8_compile_counts,
   kv_scales_from_absmax,
   quantize_params,
 )
@@ -51,12 +66,16 @@ from rlx.sampling._partial import (
   RolloutEngine,
 )
 from rlx.sampling._sample import (
+  inverse_cdf,
+  key_uniforms,
   sample_keys,
   sample_tokens,
+  sample_uniforms,
 )
 from rlx.sampling._sampler import (
   Completions,
   Sampler,
+  clear_compile_cache,
 )
 
 __all__ = (
@@ -65,6 +84,10 @@ __all__ = (
   "V_HEADROOM",
   "WEIGHT_DTYPES",
   "calibrate_kv_scales",
+  "clear_compile_cache",
+  "fp8_compile_counts",
+  "inverse_cdf",
+  "key_uniforms",
   "kv_scales_from_absmax",
   "quantize_params",
   "Completions",
@@ -74,4 +97,6 @@ __all__ = (
   "Sampler",
   "sample_keys",
   "sample_tokens",
+  "sample_uniforms",
+  "scheduling",
 )

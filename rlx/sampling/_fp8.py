@@ -93,6 +93,22 @@ def quantize_params(params: policy.Params, config: SamplerConfig) -> policy.Para
   return _quantize_linears_only(params, config.weight_dtype)
 
 
+def fp8_compile_counts() -> dict[str, int]:
+  """Programs compiled so far by the jitted calls of `quantize_params` and `calibrate_kv_scales`.
+
+  Both compile once per parameter (and token) shape, so refreshing the rollout
+  params or recalibrating the KV scales after a policy update leaves these
+  counts unchanged.
+
+  Returns:
+    {"quantize_params": n, "calibrate_kv_scales": n}, over all samplers.
+  """
+  return {
+    "quantize_params": _quantize._cache_size(),
+    "calibrate_kv_scales": _kv_absmax._cache_size(),
+  }
+
+
 def _positive(value, name: str) -> float:
   if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
     raise ValueError(f"`{name}` must be a positive finite float, got {value!r}.")

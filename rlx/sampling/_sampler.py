@@ -40,6 +40,7 @@ from rlx.sampling._engine import (
   PageState,
   SlotState,
   compile_key,
+  empty_slots,
   engine_for,
   stop_id_slots,
 )
@@ -126,6 +127,77 @@ class Sampler:
       key = dataclasses.replace(key, top_k=0)
     self._engine = engine_for(model_config, key, mesh)
     self._pool = None
+
+  # --------------------------------------------------------------------------------------
+  # Compiled programs.
+
+  def compile_counts(self) -> dict[str, int]:
+    """Programs compiled so far by this sampler's jitted device functions.
+
+    Samplers whose configs differ only in values that reach the device traced
+    (temperature, top-p value, stop-token values, steps_per_sync,
+    continuous_batching) share these functions and so these counts (see
+    `shares_compiled_programs`). A call that compiles nothing new leaves them
+    unchanged.
+
+    Returns:
+      {"decode": the decode window (one per sampler: fixed shapes),
+       "prefill": chunked prefill (at most
+       `rlx.sampling.scheduling.prefill_compile_bound(config)`),
+       "copy_pages": the prefix-sharing page copy}.
+    """
+    eng = self._engine
+    return {
+      "decode": eng.decode._cache_size(),
+      "prefill": eng.prefill._cache_size(),
+      "copy_pages": eng.copy_pages._cache_size(),
+    }
+
+  def shares_compiled_programs(self, other: "Sampler") -> bool:
+    """Whether `other` runs the same jitted device functions (and their compiled programs).
+
+    True when the two configs differ only in traced values (`compile_counts`),
+    for the same model config and mesh, while the shared programs are cached
+    (`clear_compile_cache` drops them).
+    """
+    if not isinstance(other, Sampler):
+      raise ValueError(f"`other` must be a Sampler, got {type(other).__name__}.")
+    return self._engine is other._engine
+
+  def trace_decode(
+    self, params: policy.Params, *, kv_scales: tuple[Any, Any] | None = None
+  ) -> jax.stages.Traced:
+    """The decode window that `generate` runs, traced on an idle state (nothing runs).
+
+    For inspecting the program: `.jaxpr` (its primitives), `.lower().as_text()`
+    (StableHLO), `.lower().compile().as_text()` (the optimised HLO). It is the
+    same jitted function with the same static arguments and shapes as in
+    `generate`, so lowering it for a compile adds to `compile_counts()["decode"]`
+    only if `generate` has not compiled it yet.
+
+    Args:
+      params: the policy params, or their `jax.eval_shape` (abstract leaves).
+      kv_scales: as in `generate` (required for FP8 KV).
+
+    Returns:
+      A `jax.stages.Traced`.
+    """
+    cfg, eng = self.config, self._engine
+    S, P = cfg.max_slots, cfg.num_pages
+    params = jax.eval_shape(lambda p: quantize_params(p, cfg), params)  # abstract, as run
+    pool = jax.eval_shape(lambda: eng.empty_pool(P))
+    pages = PageState(
+      page_table=np.zeros((S, eng.pages_per_sequence), np.int32),
+      refcount=np.zeros((P,), np.int32),
+      free_stack=np.arange(P, dtype=np.int32),
+      num_free=np.int32(P),
+    )
+    slots = empty_slots(S, cfg.max_new_tokens)
+    k_scale, v_scale = self._kv_scales(kv_scales)
+    knobs = self._knobs(cfg.steps_per_sync, S + 1)
+    return eng.decode.trace(
+      params, pool, pages, slots, jax.random.key(0), k_scale, v_scale, knobs, allocate=True
+    )
 
   def _knobs(self, max_steps: int, exit_after: int):
     """This sampler's (not the shared engine's) traced sampling knobs."""
@@ -547,6 +619,16 @@ class Sampler:
       params, pool, pages, slots, rng, k_scale, v_scale, self._knobs(M, n + 1), allocate=False,
     )  # fmt: skip
     return slots.tokens, slots.logprobs, slots.num_generated, slots.stopped
+
+
+def clear_compile_cache() -> None:
+  """Drops the jitted device functions that samplers share, with their compiled programs.
+
+  Samplers built afterwards get fresh functions, so their first call traces
+  and compiles every program again (with `jax.clear_caches()`: a cold start,
+  as in a compile-time benchmark). Samplers already built keep theirs.
+  """
+  engine_for.cache_clear()
 
 
 def _completions(sched: Scheduler, config: SamplerConfig, prefix_tokens: int, wall: float):

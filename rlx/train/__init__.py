@@ -14,7 +14,10 @@ Typical use (see `make_train_step` for the batch contract):
 
 Inside another jitted function (e.g. a whole RL iteration) trace the pure
 `train_step.step_fn(state, batch)` and `compute_logprobs.logprobs_fn(params,
-batch)`: the same computations without host checks.
+batch)`: the same computations without host checks. `make_step_fn` builds that
+pure step alone; `StepSpec.from_config(config)` is the config validated and
+resolved once (`train_step.spec`; `as_step_spec` for a builder's `(config,
+spec)` arguments), and `schedule_of(spec.optimizer)` its learning-rate schedule.
 
 FSDP (ZeRO-3): params, gradients and optimizer state are stored sharded over
 the "fsdp" mesh axis; the forward all-gathers the embedding / LM head before
@@ -67,12 +70,17 @@ from rlx.train._mesh import (
 from rlx.train._optimizer import (
   make_optimizer,
   make_schedule,
+  schedule_of,
   update_counter,
   updates_per_step,
 )
 from rlx.train._placement import (
   shard_batch,
   shard_params,
+)
+from rlx.train._spec import (
+  StepSpec,
+  as_step_spec,
 )
 from rlx.train._state import (
   TrainState,
@@ -81,6 +89,7 @@ from rlx.train._state import (
   train_state_shardings,
 )
 from rlx.train._step import (
+  make_step_fn,
   make_train_step,
 )
 from rlx.train._throughput import (
@@ -89,6 +98,7 @@ from rlx.train._throughput import (
 
 __all__ = (
   "abstract_train_state",
+  "as_step_spec",
   "BATCH_AXES",
   "batch_axis_size",
   "batch_sharding",
@@ -106,6 +116,7 @@ __all__ = (
   "make_mesh",
   "make_optimizer",
   "make_schedule",
+  "make_step_fn",
   "make_train_step",
   "MESH_AXES",
   "NonFiniteError",
@@ -114,8 +125,10 @@ __all__ = (
   "replicated",
   "resolve_agg",
   "Restored",
+  "schedule_of",
   "shard_batch",
   "shard_params",
+  "StepSpec",
   "ThroughputMeter",
   "to_host",
   "train_state_shardings",

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlx.kernels_pallas import _common
+from rlx import kernels_pallas
 
 
 def _platform_under_jit(*args):
   seen = []
 
   def fn(*xs):
-    seen.append(_common.arrays_platform(*xs))
+    seen.append(kernels_pallas.arrays_platform(*xs))
     return xs[0]
 
   jax.jit(fn).trace(*args)
@@ -25,9 +25,9 @@ def _platform_under_jit(*args):
 
 def test_concrete_numpy_and_none_inputs_are_cpu():
   x = jnp.ones((4, 8))
-  assert _common.arrays_platform(x, np.ones(3), None) == "cpu"
-  assert _common.arrays_platform() == "cpu"
-  assert _common.resolve_impl("auto", False, _common.arrays_platform(x)) == "xla"
+  assert kernels_pallas.arrays_platform(x, np.ones(3), None) == "cpu"
+  assert kernels_pallas.arrays_platform() == "cpu"
+  assert kernels_pallas.resolve_impl("auto", False, kernels_pallas.arrays_platform(x)) == "xla"
 
 
 def test_traced_inputs_on_a_cpu_mesh_stay_cpu():
@@ -35,7 +35,7 @@ def test_traced_inputs_on_a_cpu_mesh_stay_cpu():
   sharded = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, PartitionSpec("x")))
   assert _platform_under_jit(sharded) == "cpu"
   spec = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  assert _common.arrays_platform(spec) == "cpu"
+  assert kernels_pallas.arrays_platform(spec) == "cpu"
   assert _platform_under_jit(spec) == "cpu"
   # Single-device tracers name no mesh: the default backend decides.
   assert _platform_under_jit(jax.ShapeDtypeStruct((2,), jnp.float32)) == "cpu"
@@ -46,7 +46,7 @@ def test_shard_map_body_is_cpu():
   seen = []
 
   def body(x):
-    seen.append(_common.arrays_platform(x))
+    seen.append(kernels_pallas.arrays_platform(x))
     return x
 
   f = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"))

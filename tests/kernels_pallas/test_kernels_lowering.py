@@ -6,6 +6,10 @@ of the real, non-interpret kernels, catching unsupported ops, non-power-of-two
 Triton blocks, mixed-dtype dots and Mosaic block-shape errors without a GPU or
 TPU. It does not run the backend compilers (PTX / libtpu), so it is a necessary,
 not a sufficient, check; experiments/check_kernels.py is the hardware check.
+
+The public kernels are lowered as a host of that platform would trace them: the
+inputs are placement-free `jax.ShapeDtypeStruct`s, so the default platform decides
+(`rlx.kernels_pallas.default_platform`, pointed at the target platform here).
 """
 
 import jax
@@ -13,17 +17,22 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from rlx.kernels_pallas import PagedAttentionBlockSizes
-from rlx.kernels_pallas._fp8_matmul import _fp8_matmul_jit
-from rlx.kernels_pallas._paged_attention import _paged_attention_jit
+from rlx.kernels_pallas import (
+  PagedAttentionBlockSizes,
+  fp8_blockwise_matmul,
+  paged_attention,
+)
 
 _CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 _IMPL = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}
 
 
 @pytest.fixture
-def platform_ready(request):
+def platform_ready(request, monkeypatch):
   platform = request.param
+  # Placement-free inputs run on the default platform: the target's, as on its host.
+  target = {"cuda": "gpu", "tpu": "tpu"}[platform]
+  monkeypatch.setattr("rlx.kernels_pallas._common.default_platform", lambda: target)
   if platform == "tpu":
     # Mosaic lowering asks for the TPU generation; on CPU, declare a v6e. Private
     # API: skip rather than fail if a future jax moves it.
@@ -66,8 +75,8 @@ def test_paged_attention_lowers(platform_ready, page_dtype, gqa, page_size, head
   scale = jax.ShapeDtypeStruct((num_kv_heads,), jnp.float32)
 
   def fn(q, k, v, lengths, table, k_scale, v_scale):
-    return _paged_attention_jit(
-      q, k, v, lengths, table, k_scale, v_scale, sm_scale=head_dim**-0.5,
+    return paged_attention(
+      q, k, v, lengths, table, k_scale=k_scale, v_scale=v_scale, sm_scale=head_dim**-0.5,
       impl=_IMPL[platform], interpret=False,
       block_sizes=PagedAttentionBlockSizes(pages_per_compute_block=2, pages_per_split=4),
     )  # fmt: skip
@@ -90,7 +99,7 @@ def test_fp8_matmul_lowers(platform_ready, m, k, n, block_k):
   )
 
   def fn(xq, xs, wq, ws):
-    return _fp8_matmul_jit(
+    return fp8_blockwise_matmul(
       xq, xs, wq, ws, out_dtype=jnp.dtype(jnp.bfloat16), impl=_IMPL[platform], interpret=False,
       block_m=128, block_k=block_k,
     )  # fmt: skip

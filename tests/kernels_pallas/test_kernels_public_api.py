@@ -9,6 +9,8 @@ import rlx.kernels_pallas as kp
 
 PUBLIC = (
   "PagedAttentionBlockSizes",
+  "arrays_platform",
+  "default_platform",
   "dequantize_fp8_blockwise",
   "fp8_blockwise_matmul",
   "fp8_blockwise_matmul_reference",
@@ -19,6 +21,7 @@ PUBLIC = (
   "paged_prefill_attention_reference",
   "quantize_fp8_blockwise",
   "quantize_fp8_per_token_group",
+  "resolve_impl",
   "saturating_cast",
   "validate_paged_attention_inputs",
   "write_kv_pages",

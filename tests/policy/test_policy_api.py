@@ -33,6 +33,7 @@ PUBLIC = (
   "layer_finish",
   "layer_qkv",
   "layer_scan",
+  "linear",
   "lm_head_kernel",
   "load_hf_checkpoint",
   "logits_from_hidden",

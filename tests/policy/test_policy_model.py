@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from rlx import kernels_pallas, policy
-from rlx.policy import _model
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -453,7 +452,7 @@ def test_config_from_transformers4_style_dicts():
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_linear_matches_fake_quant(fmt):
-  """`_linear` on an Fp8Kernel == fake-quant f32 math, widths 160 -> 200 (partial edge blocks)."""
+  """`linear` on an Fp8Kernel == fake-quant f32 math, widths 160 -> 200 (partial edge blocks)."""
   rng = np.random.default_rng(1)
   w = jnp.asarray(rng.normal(size=(1, 160, 200)), jnp.float32)
   x = jnp.asarray(rng.normal(size=(3, 5, 160)), jnp.float32)
@@ -465,7 +464,7 @@ def test_fp8_linear_matches_fake_quant(fmt):
   k = jax.tree.map(lambda a: a[0], kernel)
   dtype = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}[fmt]
   assert k.scale.shape == (2, 2) and k.values.dtype == dtype
-  y = _model._linear({"kernel": k, "bias": bias}, x, jnp.float32)
+  y = policy.linear({"kernel": k, "bias": bias}, x, jnp.float32)
   x_q, x_s = kernels_pallas.quantize_fp8_per_token_group(x.reshape(15, 160), 128, dtype)
   x_deq = x_q.astype(jnp.float32) * jnp.repeat(x_s, 128, axis=1)[:, :160]
   want = jnp.dot(x_deq, k.dequantize(), precision="highest").reshape(3, 5, 200) + bias

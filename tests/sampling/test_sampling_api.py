@@ -30,6 +30,10 @@ def test_public_names_and_signatures():
     "V_HEADROOM",
     "WEIGHT_DTYPES",
     "calibrate_kv_scales",
+    "clear_compile_cache",
+    "fp8_compile_counts",
+    "inverse_cdf",
+    "key_uniforms",
     "kv_scales_from_absmax",
     "quantize_params",
     "Completions",
@@ -39,6 +43,8 @@ def test_public_names_and_signatures():
     "Sampler",
     "sample_keys",
     "sample_tokens",
+    "sample_uniforms",
+    "scheduling",
   }
   fields = [f.name for f in dataclasses.fields(sampling.SamplerConfig)]
   for name in (
@@ -187,7 +193,8 @@ def test_fp8_kv_runs_close_to_float32():
   np.testing.assert_allclose(a.logprobs[:, 0], b.logprobs[:, 0], atol=0.1)
   # Scales are traced arrays: recalibrating them never recompiles.
   fp8.generate(params, prompts, rng=jax.random.key(0), kv_scales=(k_amax / 150.0, v_amax / 90.0))
-  assert fp8._engine.decode._cache_size() == 1 and fp8._engine.prefill._cache_size() == 1
+  counts = fp8.compile_counts()
+  assert counts["decode"] == 1 and counts["prefill"] == 1
 
 
 # ------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from rlx import policy, sampling
-from rlx.sampling import _engine, _sample
 
 MODEL = policy.ModelConfig.small(
   "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8
@@ -48,10 +47,10 @@ def test_fused_uniforms_equal_jax_random_bit_for_bit(rng):
   s = jnp.asarray(np.arange(n) % 8, jnp.int32)
   t = jnp.asarray(np.arange(n) % 131, jnp.int32)
   want = _reference_uniforms(rng, p, s, t)
-  got = jax.jit(_sample.sample_uniforms)(rng, p, s, t)
+  got = jax.jit(sampling.sample_uniforms)(rng, p, s, t)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   keys = sampling.sample_keys(rng, p, s, t)
-  np.testing.assert_array_equal(np.asarray(_sample.key_uniforms(keys)), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(sampling.key_uniforms(keys)), np.asarray(want))
   assert (np.asarray(got) >= 0).all() and (np.asarray(got) < 1).all()
 
 
@@ -59,7 +58,8 @@ def test_other_key_implementations_go_through_jax_random():
   rng = jax.random.key(3, impl="rbg")
   p, s, t = (jnp.arange(5, dtype=jnp.int32) for _ in range(3))
   np.testing.assert_array_equal(
-    np.asarray(_sample.sample_uniforms(rng, p, s, t)), np.asarray(_reference_uniforms(rng, p, s, t))
+    np.asarray(sampling.sample_uniforms(rng, p, s, t)),
+    np.asarray(_reference_uniforms(rng, p, s, t)),
   )
 
 
@@ -70,7 +70,7 @@ def test_inverse_cdf_is_the_float64_search(vocab):
   w = np.exp(logits - logits.max())
   n = 4000
   u = rng.random(n).astype(np.float32)
-  tokens = jax.jit(_sample.inverse_cdf)(
+  tokens = jax.jit(sampling.inverse_cdf)(
     jnp.asarray(np.broadcast_to(w, (n, vocab)), jnp.float32), jnp.asarray(u)
   )
   want = np.searchsorted(np.cumsum(w[0]) / w.sum(), u.astype(np.float64), side="right")
@@ -90,7 +90,7 @@ def test_inverse_cdf_never_draws_a_zero_weight(vocab):
   u = rng.random(n).astype(np.float32)
   u[:10] = 0.0
   u[10:20] = np.nextafter(np.float32(1), np.float32(0))
-  tokens = np.asarray(jax.jit(_sample.inverse_cdf)(jnp.asarray(w, jnp.float32), jnp.asarray(u)))
+  tokens = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.asarray(w, jnp.float32), jnp.asarray(u)))
   assert (w[np.arange(n), tokens] > 0).all()
 
 
@@ -114,21 +114,9 @@ def _primitives(jaxpr) -> list[str]:
 def _decode_program(config):
   """(primitive names, StableHLO text) of a sampler's decode window, traced only."""
   sampler = sampling.Sampler(MODEL, config)
-  eng = sampler._engine
-  pool = jax.eval_shape(lambda: eng.empty_pool(config.num_pages))
-  pages = _engine.PageState(
-    np.zeros((config.max_slots, eng.pages_per_sequence), np.int32),
-    np.zeros((config.num_pages,), np.int32),
-    np.arange(config.num_pages, dtype=np.int32),
-    np.int32(config.num_pages),
-  )
-  slots = _engine.empty_slots(config.max_slots, config.max_new_tokens)
-  scales = np.ones((MODEL.num_layers, MODEL.num_kv_heads), np.float32)
   params = jax.eval_shape(lambda: policy.init_params(MODEL, jax.random.key(0)))
-  args = (params, pool, pages, slots, jax.random.key(0), scales, scales, sampler._knobs(1, 1))
-  jaxpr = jax.make_jaxpr(lambda *a: eng._decode_loop(*a, allocate=True))(*args)
-  text = jax.jit(lambda *a: eng._decode_loop(*a, allocate=True)).lower(*args).as_text()
-  return _primitives(jaxpr), text
+  traced = sampler.trace_decode(params)
+  return _primitives(traced.jaxpr), traced.lower().as_text()
 
 
 def test_truncation_off_traces_no_truncation_code():
@@ -138,7 +126,7 @@ def test_truncation_off_traces_no_truncation_code():
   assert "threefry2x32" not in ops and ops.count("while") == 1
   # top_k >= vocabulary is off as well: the same program (and the same shared engine).
   whole = dataclasses.replace(SAMPLED, top_k=MODEL.vocab_size)
-  assert sampling.Sampler(MODEL, whole)._engine is sampling.Sampler(MODEL, SAMPLED)._engine
+  assert sampling.Sampler(MODEL, whole).shares_compiled_programs(sampling.Sampler(MODEL, SAMPLED))
   ops_off, text_off = _decode_program(dataclasses.replace(SAMPLED, top_k=MODEL.vocab_size + 5))
   assert ops_off == ops and text_off == text
   # With truncation the machinery is there (sanity check of the probe).

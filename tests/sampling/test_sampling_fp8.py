@@ -183,14 +183,11 @@ def test_refresh_and_recalibration_do_not_recompile(params, samplers):
     scales = sampling.calibrate_kv_scales(p, MODEL, tokens, k_headroom=200.0 + step)
     fp8.generate(rollout, PROMPTS[:4], rng=key, kv_scales=scales)
     if step == 0:
-      sizes = (
-        sampling._fp8._quantize._cache_size(),
-        sampling._fp8._kv_absmax._cache_size(),
-      )
+      sizes = sampling.fp8_compile_counts()
     p = _noised(p, 10 + step, scale=0.02)
-  assert (sampling._fp8._quantize._cache_size(), sampling._fp8._kv_absmax._cache_size()) == sizes
-  assert fp8._engine.decode._cache_size() == 1
-  assert fp8._engine.prefill._cache_size() == 1
+  assert sampling.fp8_compile_counts() == sizes
+  assert fp8.compile_counts()["decode"] == 1
+  assert fp8.compile_counts()["prefill"] == 1
 
 
 def test_kv_scales_from_absmax():

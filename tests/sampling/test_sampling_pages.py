@@ -1,10 +1,9 @@
-"""`rlx.sampling._pages.PageManager` on host arrays: free stack, reference counts, sharing."""
+"""`rlx.sampling.scheduling.PageManager` on host arrays: free stack, reference counts, sharing."""
 
 import numpy as np
 import pytest
 
-from rlx.sampling._engine import PageState
-from rlx.sampling._pages import PageManager, copy_plan
+from rlx.sampling.scheduling import PageManager, PageState, copy_plan
 
 PAGE = 4
 

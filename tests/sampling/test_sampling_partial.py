@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from rlx import policy, sampling, train
-from rlx.sampling._partial import RolloutEngine
 
 MODEL = policy.ModelConfig.small(
   "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8
@@ -143,10 +142,10 @@ def test_generate_requests_rejects_bad_rows(params):
 def test_engine_rejects_bad_arguments(params):
   sampler = sampling.Sampler(MODEL, CFG)
   with pytest.raises(ValueError, match="over_provision"):
-    RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=0.5)
+    sampling.RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=0.5)
   with pytest.raises(ValueError, match="target_groups"):
-    RolloutEngine(sampler, num_samples=G, target_groups=0)
-  engine = RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=2.0)
+    sampling.RolloutEngine(sampler, num_samples=G, target_groups=0)
+  engine = sampling.RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=2.0)
   with pytest.raises(ValueError, match="returned 1 prompts"):
     engine.collect(params, lambda n: [(0, [9])], jax.random.key(0), policy_version=0)
   with pytest.raises(ValueError, match="key"):
@@ -159,7 +158,7 @@ def test_partial_rollouts_lose_nothing_and_keep_versions(params, tmp_path):
   """Several collects, a new policy each time: exactly-once, per-token versions and log-probs."""
   sampler = sampling.Sampler(MODEL, CFG)
   target = 3
-  engine = RolloutEngine(sampler, num_samples=G, target_groups=target, over_provision=2.0)
+  engine = sampling.RolloutEngine(sampler, num_samples=G, target_groups=target, over_provision=2.0)
   source = _Source()
   versions = [_params(v) for v in range(4)]
   returned, mixed, resumed = [], 0, 0
@@ -208,8 +207,8 @@ def test_partial_rollouts_lose_nothing_and_keep_versions(params, tmp_path):
   assert sorted(returned + engine.buffer_keys()) == source.pulled
   assert engine.buffered_groups > 0
   # Resumed prefixes, early stops and new params never recompile the decode loop.
-  assert sampler._engine.decode._cache_size() == 1
-  assert sampler._engine.prefill._cache_size() == 1  # max_slots <= 8: one row bucket
+  assert sampler.compile_counts()["decode"] == 1
+  assert sampler.compile_counts()["prefill"] == 1  # max_slots <= 8: one row bucket
 
   # The buffer round-trips through an orbax checkpoint bit-exactly, and both copies continue alike.
   mesh = train.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -220,7 +219,7 @@ def test_partial_rollouts_lose_nothing_and_keep_versions(params, tmp_path):
     ckpt.save(1, state, data_cursor={"next": source.next}, extra=saved, force=True)
   with train.Checkpointer(str(tmp_path / "ckpt")) as ckpt:
     restored = ckpt.restore(state, extra_target=engine.state_dict())
-  other = RolloutEngine(sampler, num_samples=G, target_groups=target, over_provision=2.0)
+  other = sampling.RolloutEngine(sampler, num_samples=G, target_groups=target, over_provision=2.0)
   other.load_state_dict(restored.extra)
   again = other.state_dict()
   assert set(again) == set(saved)
@@ -241,7 +240,7 @@ def test_greedy_resumed_samples_equal_uninterrupted_ones(params):
   # A tight pool (8 pages for 4 slots): resumed rows are also preempted and re-prefilled.
   cfg = dataclasses.replace(CFG, temperature=0.0, stop_token_ids=tuple(range(1, 17)), num_pages=8)
   sampler = sampling.Sampler(MODEL, cfg)
-  engine = RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=2.0)
+  engine = sampling.RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=2.0)
   source = _Source()
   got, resumed, preempted = {}, 0, 0
   for v in range(3):
@@ -262,7 +261,7 @@ def test_greedy_resumed_samples_equal_uninterrupted_ones(params):
 
 def test_over_provision_one_is_synchronous(params):
   sampler = sampling.Sampler(MODEL, CFG)
-  engine = RolloutEngine(sampler, num_samples=G, target_groups=3, over_provision=1.0)
+  engine = sampling.RolloutEngine(sampler, num_samples=G, target_groups=3, over_provision=1.0)
   source = _Source()
   for v in range(2):
     out = engine.collect(params, source, jax.random.key(v), policy_version=v)
@@ -273,7 +272,7 @@ def test_over_provision_one_is_synchronous(params):
 
 def test_interrupted_collect_keeps_the_pulled_prompts(params, monkeypatch):
   sampler = sampling.Sampler(MODEL, CFG)
-  engine = RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=1.5)
+  engine = sampling.RolloutEngine(sampler, num_samples=G, target_groups=2, over_provision=1.5)
   source = _Source()
 
   def interrupted(*args, **kwargs):

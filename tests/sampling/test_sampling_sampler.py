@@ -1,7 +1,8 @@
 """rlx.sampling end to end on a tiny model: log-probs, preemption, sharing, compiles, rng, jit.
 
-Every sampler here shares a few compile keys (`rlx.sampling._engine.compile_key`)
-so the whole module compiles the decode loop only a handful of times.
+Every sampler here shares its compiled programs with others (configs that differ
+only in traced values, `Sampler.shares_compiled_programs`), so the whole module
+compiles the decode loop only a handful of times.
 """
 
 import dataclasses
@@ -14,7 +15,7 @@ import pytest
 from scipy import stats
 
 from rlx import policy, sampling
-from rlx.sampling import _engine
+from rlx.sampling import scheduling
 
 MODEL = policy.ModelConfig.small(
   "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8
@@ -140,29 +141,28 @@ def test_preemption_small_pool_same_greedy_tokens(params):
   np.testing.assert_allclose(out.logprobs, big.logprobs, atol=1e-5)
   assert out.finish_reason == big.finish_reason and out.stats["pages_in_use_at_end"] == 0
   # Decode compiled once for this sampler whatever the mix; prefill within its bound.
-  assert small._engine.decode._cache_size() == 1
-  assert small._engine.prefill._cache_size() == 1  # max_slots <= 8: one row bucket
+  assert small.compile_counts()["decode"] == 1
+  assert small.compile_counts()["prefill"] == 1  # max_slots <= 8: one row bucket
 
 
 def test_decode_compiles_once_across_lengths_and_temperatures(params):
   sampler = sampling.Sampler(MODEL, BASE)
   for prompts in (PROMPTS[:1], PROMPTS, [[1] * 12] * 6, [[2]]):
     sampler.generate(params, prompts, num_samples=1, rng=jax.random.key(0))
-  engine = sampler._engine
-  assert engine.decode._cache_size() == 1
-  assert engine.prefill._cache_size() == 1
+  assert sampler.compile_counts()["decode"] == 1
+  assert sampler.compile_counts()["prefill"] == 1
   # Temperature, top-p values, stop ids and steps_per_sync are traced: one more key at most.
   a = sampling.Sampler(MODEL, dataclasses.replace(BASE, temperature=0.5, steps_per_sync=3))
   b = sampling.Sampler(MODEL, dataclasses.replace(BASE, temperature=1.3, steps_per_sync=7))
-  assert a._engine is b._engine
+  assert a.shares_compiled_programs(b)
 
 
 def test_prefill_width_follows_the_prompts(params):
   # A chunk wider than the prompts: each prefill call is only as wide as the width bucket
   # of its longest piece (8 or 16 here, never the 32 of the chunk); same greedy tokens.
-  assert sampling._sampler.prefill_widths(32) == (8, 16, 32)
-  assert sampling._sampler.prefill_widths(48) == (8, 16, 32, 48)
-  assert sampling._sampler.prefill_widths(4) == (4,)
+  assert scheduling.prefill_widths(32) == (8, 16, 32)
+  assert scheduling.prefill_widths(48) == (8, 16, 32, 48)
+  assert scheduling.prefill_widths(4) == (4,)
   wide = sampling.Sampler(MODEL, dataclasses.replace(BASE, prefill_chunk=32))
   widths = []
   prefill = wide._engine.prefill
@@ -178,7 +178,8 @@ def test_prefill_width_follows_the_prompts(params):
   wide.generate(params, [[1, 2, 3, 4, 5]] * 3, num_samples=1, rng=jax.random.key(0))
   # Admissions prefill 4 / 11 / 1..3 tokens at most (16 for the 12-token prompt), then 4 -> 8.
   assert set(widths) == {8, 16} and widths[-1] == 8, widths
-  assert prefill._cache_size() == 2 <= sampling._sampler.prefill_compile_bound(wide.config)
+  wide._engine.prefill = prefill  # the spy off: count the real function's programs
+  assert wide.compile_counts()["prefill"] == 2 <= scheduling.prefill_compile_bound(wide.config)
 
 
 def test_prefix_sharing_holds_prompt_pages_once(params):
@@ -317,25 +318,7 @@ _TWO_BLOCKS = dataclasses.replace(BASE, max_new_tokens=60)
 def test_decode_step_reads_pages_without_copying_the_pool(params, cfg):
   """Compiled decode loop: the stacked pool is updated in place, never copied or sliced whole."""
   sampler = sampling.Sampler(MODEL, cfg)
-  eng = sampler._engine
-  S, M = cfg.max_slots, cfg.max_new_tokens
-  pool = eng.empty_pool(cfg.num_pages)
-  pages = _engine.PageState(
-    np.zeros((S, cfg.pages_per_sequence), np.int32),
-    np.zeros(cfg.num_pages, np.int32),
-    np.arange(cfg.num_pages, dtype=np.int32),
-    np.int32(cfg.num_pages),
-  )
-  knobs = sampler._knobs(4, S + 1)
-  args = (
-    params,
-    pool,
-    pages,
-    _engine.empty_slots(S, M),
-    jax.random.key(0),
-    *sampler._kv_scales(None),
-  )
-  hlo = eng.decode.lower(*args, knobs, allocate=True).compile().as_text()
+  hlo = sampler.trace_decode(params).lower().compile().as_text()
   m = MODEL
   layer_pool = (m.num_kv_heads, cfg.num_pages, cfg.page_size, m.head_dim)
   bad, seen = _pool_materialisations(hlo, layer_pool, m.num_layers)

@@ -1,6 +1,6 @@
-"""`rlx.sampling._scheduler.Scheduler` on host arrays, against a numpy model of the device side.
+"""`rlx.sampling.scheduling.Scheduler` on host arrays, against a numpy model of the device side.
 
-`_FakeEngine` does what `rlx.sampling._engine.Engine` does to the page and slot
+`_FakeEngine` does what the sampler's jitted engine does to the page and slot
 state (a page popped per slot crossing a page boundary, blocked slots, the same
 stack order; finished slots keep their pages for the host to release), keeps the
 token written at every (page, offset) of a fake pool, and checks at every decode
@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 
 from rlx.sampling import SamplerConfig
-from rlx.sampling._engine import LoopInfo, PageState, SlotState
-from rlx.sampling._pages import PageManager, copy_plan
-from rlx.sampling._scheduler import (
+from rlx.sampling.scheduling import (
+  LoopInfo,
+  PageManager,
+  PageState,
   PrefillRow,
   Request,
   Scheduler,
+  SlotState,
+  copy_plan,
   prefill_calls,
   prefill_compile_bound,
   prefill_widths,

@@ -12,7 +12,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx import kernels_pallas, policy, train
-from rlx.kernels_pallas import _common
 
 _MOSAIC = "tpu_custom_call"
 
@@ -96,7 +95,7 @@ def test_auto_dispatch_follows_the_inputs_tpu_sharding(v5e_2x2, lower_and_compil
   seen = {}
 
   def attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale):
-    seen["platform"] = _common.arrays_platform(q, k_pages, v_pages, lengths, page_table)
+    seen["platform"] = kernels_pallas.arrays_platform(q, k_pages, v_pages, lengths, page_table)
     seen["context_mesh_empty"] = jax.sharding.get_abstract_mesh().empty
     return kernels_pallas.paged_attention(
       q, k_pages, v_pages, lengths, page_table, k_scale=k_scale, v_scale=v_scale
@@ -160,15 +159,15 @@ def test_fp8_blockwise_matmul_mosaic_kernel_compiles(v5e_2x2, lower_and_compile)
 def test_arrays_platform_prefers_the_traced_mesh(v5e_2x2):
   mesh = Mesh(np.asarray(v5e_2x2), ("x",))
   tpu = _abstract(mesh, PartitionSpec("x"), (8, 4), jnp.float32)
-  assert _common.arrays_platform(tpu) == "tpu"  # a ShapeDtypeStruct's own sharding
+  assert kernels_pallas.arrays_platform(tpu) == "tpu"  # a ShapeDtypeStruct's own sharding
   cpu_array = jnp.ones((8, 4))  # concrete, on the host CPU
   with pytest.raises(ValueError, match="several platforms"):
-    _common.arrays_platform(tpu, cpu_array)
+    kernels_pallas.arrays_platform(tpu, cpu_array)
   seen = []
 
   def fn(x):
     # Under the TPU trace a closed-over CPU array is a constant moved to the TPU.
-    seen.append(_common.arrays_platform(x, cpu_array))
+    seen.append(kernels_pallas.arrays_platform(x, cpu_array))
     return x
 
   jax.jit(fn).trace(tpu)

@@ -6,7 +6,7 @@ import pytest
 import train_testlib as tl
 
 from rlx import policy, train
-from rlx.train import _batch, _placement
+from rlx.train import _batch  # spied on: `_device_summary` (see its test)
 
 
 def _good_batch(m, state, logprobs):
@@ -102,7 +102,7 @@ def test_state_owns_its_buffers_so_the_reference_params_survive_donation(layout,
   before = [np.array(x) for x in jax.tree.leaves(params)]
   state = train.create_train_state(params, mc, cfg, m, rng=jax.random.PRNGKey(1))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
-    assert not _placement.shares_buffer(a, b)
+    assert not tl.shares_buffer(a, b)
   ref = train.shard_params(params, mc, m)
   for i in range(2):
     batch = tl.prepare(tl.make_batch(i), m, state, logprobs, ref_params=ref)
@@ -213,7 +213,7 @@ def test_nan_in_padding_is_allowed_and_gives_the_clean_result():
   other["rollout_logp"] = np.where(padding, np.inf, clean["old_logp"])
   other["ref_logp"] = np.where(padding, 5.0, 1e-7)
   for batch in (other, train.shard_batch(other, m)):
-    _batch.check_values(batch, tl.VOCAB, _batch.FLOAT_KEYS)
+    step_fn.check_and_place(tl.init_state(m, cfg), batch)  # the host checks of a call
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,8 @@ import pytest
 import train_testlib as tl
 
 from rlx import objectives, train
-from rlx.train import _config, _optimizer, _spec
-from rlx.train import _step as step_module
 
-StepSpec = _spec.StepSpec
+StepSpec = train.StepSpec
 
 
 def test_equal_configs_give_equal_specs():
@@ -86,7 +84,7 @@ def test_an_invalid_config_is_refused_naming_the_field():
 def test_the_schedule_of_the_spec_is_the_configs():
   cfg = tl.train_config()
   spec = StepSpec.from_config(cfg)
-  want, got = train.make_schedule(cfg), _optimizer.schedule_of(spec.optimizer)
+  want, got = train.make_schedule(cfg), train.schedule_of(spec.optimizer)
   for n in (0, 1, 2, 5, 19, 25):
     assert float(got(n)) == float(want(n))
 
@@ -125,8 +123,10 @@ def test_tracing_the_step_never_reads_the_config_again(monkeypatch):
   def refuse(*args, **kwargs):
     raise AssertionError("the train config was read after the step was built")
 
+  # The config helpers the builders call, where they look them up (internal names:
+  # the step must not reach them, whichever public function wraps them).
   for name in ("loss_spec", "resolve_agg", "to_kwargs", "validate_config"):
-    monkeypatch.setattr(_config, name, refuse)
+    monkeypatch.setattr(f"rlx.train._config.{name}", refuse)
   monkeypatch.setattr(StepSpec, "from_config", classmethod(refuse))
   b, s = tl.BATCH, tl.SEQ
   floats = jax.ShapeDtypeStruct((b, s), jnp.float32)
@@ -149,11 +149,11 @@ def test_make_step_fn_takes_a_config_a_loss_or_a_spec():
   mc, m, cfg = tl.model_config(), tl.mesh("single"), tl.train_config()
   opt = train.make_optimizer(cfg)
   spec = StepSpec.from_config(cfg)
-  assert callable(step_module.make_step_fn(mc, cfg, m, opt))
-  assert callable(step_module.make_step_fn(mc, cfg, m, opt, spec=spec.loss))
-  assert callable(step_module.make_step_fn(mc, cfg, m, opt, spec=spec))
-  assert callable(step_module.make_step_fn(mc, spec, m, opt))
-  assert _spec.as_step_spec(cfg, loss=spec) is spec
-  assert _spec.as_step_spec(spec) is spec
+  assert callable(train.make_step_fn(mc, cfg, m, opt))
+  assert callable(train.make_step_fn(mc, cfg, m, opt, spec=spec.loss))
+  assert callable(train.make_step_fn(mc, cfg, m, opt, spec=spec))
+  assert callable(train.make_step_fn(mc, spec, m, opt))
+  assert train.as_step_spec(cfg, loss=spec) is spec
+  assert train.as_step_spec(spec) is spec
   with pytest.raises(ValueError, match="`spec` must be None"):
-    step_module.make_step_fn(mc, spec, m, opt, spec=spec.loss)
+    train.make_step_fn(mc, spec, m, opt, spec=spec.loss)

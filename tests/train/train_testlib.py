@@ -138,3 +138,13 @@ def run_steps(
 
 def host_params(state) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+
+
+def shares_buffer(a: Any, b: Any) -> bool:
+  """Whether two `jax.Array`s have a device buffer in common (False for non-arrays)."""
+  if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)):
+    return False
+  if a.is_deleted() or b.is_deleted():
+    return False
+  buffers = {(s.device, s.data.unsafe_buffer_pointer()) for s in a.addressable_shards}
+  return any((s.device, s.data.unsafe_buffer_pointer()) in buffers for s in b.addressable_shards)
