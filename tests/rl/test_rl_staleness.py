@@ -304,3 +304,17 @@ def test_composes_with_partial_and_fp8_rollouts(tmp_path, overrides):
     assert summary["staleness_max"] >= 2
   else:
     assert [r["staleness_max"] for r in rl_records] == [0, 1, 2, 2]
+
+
+@pytest.mark.parametrize("devices", [2, 8])
+def test_stale_run_on_a_multi_device_mesh(tmp_path, devices):
+  """The ring's copies keep the params' sharding; the donated live params do not take them."""
+  rl_test_utils.register_test_tasks()
+  config = _config(
+    **{"rl.iterations": 3, "checkpoint.every": 3, "eval.every": 3, "mesh.num_devices": devices}
+  )
+  summary = rl.run(config, str(tmp_path / "run"))
+  rl_records = [r for r in _records(str(tmp_path / "run")) if r["phase"] == "rl"]
+  assert summary["iterations"] == 3
+  assert [r["staleness_max"] for r in rl_records] == [0, 1, 2]
+  assert all(np.isfinite(r["loss"]) for r in rl_records)
