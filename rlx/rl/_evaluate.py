@@ -1,4 +1,4 @@
-"""Greedy accuracy of a policy on a task split (exact-match reward of greedy completions)."""
+"""Greedy accuracy of a policy on a task split (the fraction of greedy completions solved)."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -10,17 +10,17 @@ import numpy as np
 def greedy_accuracy(
   sampler: Any, params: Any, task: Any, examples: Sequence[Any], *, batch_size: int
 ) -> float:
-  """Mean reward of greedy completions: the fraction solved for an exact-match task.
+  """The fraction of greedy completions solved (`task.correct`; the mean reward by default).
 
   Args:
     sampler: an `rlx.sampling.Sampler` built with temperature 0.
     params: the policy params.
-    task: the `rlx.tasks.Task` whose `reward` scores the completions.
+    task: the `rlx.tasks.Task` whose `correct` scores the completions.
     examples: the examples to evaluate (e.g. `task.split("test")`).
     batch_size: prompts per `generate` call.
 
   Returns:
-    The mean reward over `examples` (a Python float).
+    The mean of `task.correct` over `examples` (a Python float).
   """
   if not len(examples):
     raise ValueError(f"Task {task.name!r}: no examples to evaluate.")
@@ -35,5 +35,5 @@ def greedy_accuracy(
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     completions = [tokens[i, : int(n)].tolist() for i, n in enumerate(lengths)]
-    total += float(np.sum(task.reward(chunk, completions)))
+    total += float(np.sum(task.correct(chunk, completions)))
   return total / len(examples)

@@ -72,6 +72,9 @@ from rlx.tasks._exact_match import (
   exact_match,
   exact_match_jax_reward,
   exact_match_rewards,
+  positional_match,
+  positional_match_jax_reward,
+  positional_match_rewards,
 )
 from rlx.tasks._gsm8k import (
   INSTRUCTIONS,
@@ -111,6 +114,9 @@ __all__ = [
   "exact_match",
   "exact_match_jax_reward",
   "exact_match_rewards",
+  "positional_match",
+  "positional_match_jax_reward",
+  "positional_match_rewards",
   "extract_answer",
   "load_records",
   "make_task",

@@ -5,7 +5,8 @@ every number written with a fixed width (num_digits for the operands,
 num_digits + 1 for a sum) and its digits reversed, least significant first.
 Character tokens (`rlx.policy.CharTokenizer` over "0123456789+-*=", 17 ids
 with the specials) keep the vocabulary tiny, and the reward is token exact
-match, in JAX as well as on the host.
+match, in JAX as well as on the host; `reward="digits"` grades it instead
+(partial credit per answer digit, see `ArithmeticTask`).
 
 Why reversed and fixed-width: a causal model that writes the least
 significant digit first computes each output digit from the two operand
@@ -36,10 +37,16 @@ import numpy as np
 
 from rlx.policy import CharTokenizer
 from rlx.tasks._base import SPLITS, Example, Task, check_split_name
-from rlx.tasks._exact_match import exact_match_jax_reward, exact_match_rewards
+from rlx.tasks._exact_match import (
+  exact_match_jax_reward,
+  exact_match_rewards,
+  positional_match_jax_reward,
+  positional_match_rewards,
+)
 
 ALPHABET = "0123456789+-*="
 OPERATIONS = ("+", "-", "*")
+REWARDS = ("exact", "digits")
 _ENUMERATE_BELOW = 50_000  # problem spaces up to this size are permuted whole
 _CHUNK = 4096
 
@@ -49,7 +56,7 @@ def _answer_width(op: str, num_digits: int) -> int:
 
 
 class ArithmeticTask(Task):
-  """Multi-digit `a op b =` problems with exact-match reward (JAX and host).
+  """Multi-digit `a op b =` problems with an exact-match or graded reward (JAX and host).
 
   Args:
     num_digits: operands are uniform in [0, 10**num_digits).
@@ -79,6 +86,23 @@ class ArithmeticTask(Task):
     add_bos: start each prompt with `<bos>`.
     require_stop: a correct completion must end with `<eos>` (False also
       accepts the bare answer, e.g. a completion cut at `max_answer_len`).
+    reward: "exact" (default): 1 for a correct completion (the answer's tokens,
+      then `<eos>` as `require_stop` asks), else 0. "digits": partial credit,
+      for baselines that need non-binary rewards, e.g. the median baseline of
+      MC-GRPO (Kim et al., median-centred GRPO,
+      https://github.com/lotusroot-kim/MC-GRPO; with 0/1 rewards a group's
+      median is 0 or 1 and every sample equal to it gets a zero advantage). With
+      L the answer's width in tokens (its operation's width when the answer
+      is padded, else its natural length) and m the positions i < L at which
+      the completion's token i equals the answer's token i (the answer as
+      written, reversed by default): 1 for a correct completion, else
+      min(m / L, L / (L + 1)). So every reward is in [0, 1], 1 only when
+      "exact" gives 1, and a completion with every digit right but no `<eos>`
+      (under `require_stop`), a wrong stop token or extra tokens gets
+      L / (L + 1) (0.8 for 3-digit addition).
+      Tokens after the first L earn nothing; a short completion earns only for
+      the positions it has. `jax_reward` computes the same values. `correct`
+      (what the greedy accuracy averages) stays exact match under either.
     name: the task name in messages.
   """
 
@@ -99,9 +123,12 @@ class ArithmeticTask(Task):
     min_digits: int | None = None,
     digits_decay: float = 0.5,
     pad_answer: bool | None = None,
+    reward: str = "exact",
     name: str = "arithmetic",
   ):
     self.name = name
+    if not isinstance(reward, str) or reward not in REWARDS:
+      raise ValueError(f"Task {name!r}: `reward` must be one of {REWARDS}, got {reward!r}.")
     if not isinstance(num_digits, int) or not 1 <= num_digits <= 18:
       raise ValueError(
         f"Task {name!r}: `num_digits` must be an int in [1, 18], got {num_digits!r}."
@@ -146,7 +173,10 @@ class ArithmeticTask(Task):
     self.require_stop = require_stop
     self.tokenizer = CharTokenizer(ALPHABET)
     self.stop_token_ids = (self.tokenizer.eos_id,)
-    self.jax_reward = exact_match_jax_reward(self.stop_token_ids, require_stop=require_stop)
+    # `reward_kind`, not `reward`: `Task.reward` is the host reward method.
+    self.reward_kind = reward
+    jax_reward = positional_match_jax_reward if reward == "digits" else exact_match_jax_reward
+    self.jax_reward = jax_reward(self.stop_token_ids, require_stop=require_stop)
 
     problems = self._draw(sizes)
     self._splits = {split: tuple(self._example(*p) for p in problems[split]) for split in SPLITS}
@@ -266,7 +296,18 @@ class ArithmeticTask(Task):
     return self._splits[name]
 
   def score(self, examples: Sequence[Example], completions: list[list[int]]) -> np.ndarray:
-    """1.0 when the completion is exactly the answer's tokens then `<eos>`, else 0.0."""
+    """1.0 when the completion is exactly the answer's tokens then `<eos>`; otherwise 0.0
+    ("exact") or min(m / L, L / (L + 1)) for m of the L answer digits right ("digits")."""
+    answers = [self.answer_tokens(e) for e in examples]
+    rewards = positional_match_rewards if self.reward_kind == "digits" else exact_match_rewards
+    return rewards(answers, completions, self.stop_token_ids, require_stop=self.require_stop)
+
+  def correct(
+    self, examples: Sequence[Example], completions: Sequence[Sequence[int]]
+  ) -> np.ndarray:
+    """Exact match (1.0 / 0.0) under either reward: the fraction solved is the accuracy."""
+    examples = self._check_examples(examples)
+    completions = self._check_completions(completions, len(examples))
     answers = [self.answer_tokens(e) for e in examples]
     return exact_match_rewards(
       answers, completions, self.stop_token_ids, require_stop=self.require_stop

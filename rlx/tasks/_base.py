@@ -131,6 +131,18 @@ class Task(abc.ABC):
     completions = self._check_completions(completions, len(examples))
     return self.check_rewards(self.score(examples, completions), len(examples))
 
+  def correct(
+    self, examples: Sequence[Example], completions: Sequence[Sequence[int]]
+  ) -> np.ndarray:
+    """What accuracy averages: 1.0 for a solved completion, 0.0 otherwise.
+
+    Defaults to `reward` (an exact-match task's reward already is this). A
+    task with a graded reward overrides it, so that the greedy accuracy
+    (`rlx.rl.greedy_accuracy`) stays the fraction solved. Same inputs and
+    output as `reward`.
+    """
+    return self.reward(examples, completions)
+
   def reward_padded(
     self, examples: Sequence[Example], completion, completion_lengths
   ) -> np.ndarray:

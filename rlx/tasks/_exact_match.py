@@ -4,6 +4,9 @@ A completion is correct when its tokens are exactly the answer's tokens
 followed by one stop token (or, with `require_stop=False`, also the answer's
 tokens alone, e.g. a completion cut at `max_new_tokens`). Anything after the
 stop token is padding and never looked at.
+
+`positional_match` is the graded counterpart (partial credit per answer
+position, 1 exactly when `exact_match` holds), also on the host and in JAX.
 """
 
 from collections.abc import Sequence
@@ -104,3 +107,99 @@ def exact_match_rewards(
     ],
     np.float32,
   )
+
+
+def _graded(matches: int, length: int) -> np.float32:
+  """The reward of a completion that is not an exact match: min(m / L, L / (L + 1)) in f32."""
+  if length <= 0:
+    return np.float32(0.0)
+  frac = np.float32(matches) / np.float32(length)
+  return min(frac, np.float32(length) / np.float32(length + 1))
+
+
+def positional_match(
+  answer: Sequence[int],
+  completion: Sequence[int],
+  stop_token_ids: Sequence[int],
+  *,
+  require_stop: bool = True,
+) -> float:
+  """Host rule: partial credit for the answer positions a completion gets right.
+
+  With L = len(answer) and m the number of positions i < min(L, len(completion))
+  where `completion[i] == answer[i]`:
+
+    1.0                        if exact_match(answer, completion, ...) holds,
+    min(m / L, L / (L + 1))    otherwise (0 when L == 0).
+
+  So the reward is the fraction of answer positions right, and exactly 1 only
+  for a completion `exact_match` accepts; one with every answer token right
+  that is still wrong (its stop token missing under `require_stop`, a wrong
+  stop token, or extra tokens after the answer) gets L / (L + 1). Tokens past
+  position L - 1 earn nothing; a short completion is scored on the positions
+  it has. The value is computed in float32 exactly as `positional_match_jax_reward`.
+  """
+  answer, completion = list(answer), list(completion)
+  if exact_match(answer, completion, stop_token_ids, require_stop=require_stop):
+    return 1.0
+  matches = sum(a == c for a, c in zip(answer, completion, strict=False))
+  return float(_graded(matches, len(answer)))
+
+
+def positional_match_rewards(
+  answers: Sequence[Sequence[int]],
+  completions: Sequence[Sequence[int]],
+  stop_token_ids: Sequence[int],
+  *,
+  require_stop: bool = True,
+) -> np.ndarray:
+  """Host batch of `positional_match`: float32[N] in [0, 1]."""
+  return np.asarray(
+    [
+      positional_match(a, c, stop_token_ids, require_stop=require_stop)
+      for a, c in zip(answers, completions, strict=True)
+    ],
+    np.float32,
+  )
+
+
+def positional_match_jax_reward(
+  stop_token_ids: Sequence[int], *, require_stop: bool = True
+) -> JaxReward:
+  """A `JaxReward` equal to `positional_match` on every valid input (bit for bit).
+
+  Args:
+    stop_token_ids: the tokens that may end a completion.
+    require_stop: whether a completion without its stop token can be correct.
+
+  Returns:
+    `fn(answer_ids i32[N, A], answer_lengths i32[N], completion i32[N, T],
+    completion_lengths i32[N]) -> f32[N]`, pure and jittable, with the inputs
+    of `exact_match_jax_reward`: `completion` is right-padded, entries at or
+    past `completion_lengths` are ignored, as are `answer_ids` entries at or
+    past `answer_lengths`. The graded values min(m / L, L / (L + 1)) come from
+    a float32 table built on the host with `positional_match`'s arithmetic, so
+    device and host agree exactly whatever the backend's division.
+  """
+  exact = exact_match_jax_reward(stop_token_ids, require_stop=require_stop)
+
+  def reward(answer_ids, answer_lengths, completion, completion_lengths):
+    ok = exact(answer_ids, answer_lengths, completion, completion_lengths) > 0
+    answer_ids = jnp.asarray(answer_ids, jnp.int32)
+    completion = jnp.asarray(completion, jnp.int32)
+    answer_lengths = jnp.asarray(answer_lengths, jnp.int32)
+    completion_lengths = jnp.asarray(completion_lengths, jnp.int32)
+    a = answer_ids.shape[1]
+    # The completion's first A positions (padded with -1, which no answer holds).
+    comp = completion[:, :a]
+    comp = jnp.pad(comp, ((0, 0), (0, a - comp.shape[1])), constant_values=-1)
+    pos = jnp.arange(a)[None, :]
+    hit = (pos < answer_lengths[:, None]) & (pos < completion_lengths[:, None])
+    matches = jnp.sum(hit & (comp == answer_ids), axis=1)
+    table = jnp.asarray(
+      np.asarray([[_graded(m, n) for m in range(a + 1)] for n in range(a + 1)], np.float32)
+    )
+    graded = table[jnp.clip(answer_lengths, 0, a), matches]
+    return jnp.where(ok, jnp.float32(1.0), graded)
+
+  return reward

@@ -1,6 +1,7 @@
 """The embedded arithmetic task: splits, answers, and jax_reward == reward."""
 
 import functools
+import types
 
 import jax
 import numpy as np
@@ -249,3 +250,204 @@ def test_exact_match_helpers():
     fn(np.array([5, 6]), np.array([2]), np.array([[5, 6, 2]]), np.array([3]))
   with pytest.raises(ValueError, match="batch sizes"):
     fn(np.array([[5, 6]]), np.array([2]), np.array([[5, 6, 2]] * 2), np.array([3, 3]))
+
+
+def test_digits_reward_hand_computed_values():
+  task = _task(reward="digits")
+  assert task.reward_kind == "digits" and _task().reward_kind == "exact"
+  tok = task.tokenizer
+  example = task.split("dev")[0]
+  a, _, b = _parse(example.prompt_text)
+  answer = tok.encode(example.answer)
+  assert example.answer == str(a + b).zfill(4)[::-1] and len(answer) == 4  # L = 4
+  wrong = list(answer)
+  wrong[1] = tok.encode(str((int(example.answer[1]) + 1) % 10))[0]
+  wrong2 = list(wrong)
+  wrong2[3] = tok.encode(str((int(example.answer[3]) + 1) % 10))[0]
+  eos, pad = tok.eos_id, tok.pad_id
+  cases = [
+    ([*answer, eos], 1.0),  # all right
+    ([*wrong, eos], 3 / 4),  # one digit wrong
+    ([*wrong2, eos], 2 / 4),  # two digits wrong
+    (wrong, 3 / 4),  # one digit wrong, no stop
+    (answer, 4 / 5),  # every digit right, stop missing: L / (L + 1)
+    ([*answer, pad], 4 / 5),  # a wrong stop token
+    ([*answer, eos, eos], 4 / 5),  # stop then more tokens
+    ([*answer, *answer, eos], 4 / 5),  # too long: tokens past L earn nothing
+    ([], 0.0),  # empty
+    ([eos], 0.0),
+    (answer[:2], 2 / 4),  # short: credit for the positions present
+    ([*wrong[:2], eos], 1 / 4),  # short, one of its two right, then a stop
+    (answer[::-1] if answer[::-1] != answer else [pad] * 4, None),  # checked below
+  ]
+  examples = [example] * len(cases)
+  completions = [c for c, _ in cases]
+  host = task.reward(examples, completions)
+  assert host.dtype == np.float32
+  want = [np.float32(w) for _, w in cases[:-1]]
+  np.testing.assert_array_equal(host[:-1], np.asarray(want, np.float32))
+  reversed_hits = sum(x == y for x, y in zip(cases[-1][0], answer, strict=True))
+  assert host[-1] == np.float32(min(reversed_hits / 4, 4 / 5))
+  # The exact reward of the same completions: 1 only where "digits" gives 1.
+  exact = _task().reward(examples, completions)
+  np.testing.assert_array_equal(exact, (host == 1.0).astype(np.float32))
+  # Without require_stop the bare answer is correct; other values unchanged.
+  loose = tasks.ArithmeticTask(reward="digits", require_stop=False).reward(examples, completions)
+  np.testing.assert_array_equal(loose, np.where(np.arange(len(cases)) == 4, 1.0, host))
+  # The same values on device.
+  answer_ids, answer_lengths = task.answer_arrays(examples)
+  padded = np.full((len(cases), 10), pad, np.int32)
+  for i, c in enumerate(completions):
+    padded[i, : len(c)] = c
+  lengths = np.asarray([len(c) for c in completions], np.int32)
+  device = jax.jit(task.jax_reward)(answer_ids, answer_lengths, padded, lengths)
+  np.testing.assert_array_equal(np.asarray(device), host)
+
+
+def test_digits_reward_unpadded_answers_use_their_natural_length():
+  task = tasks.ArithmeticTask(fixed_width=False, num_digits=2, train_size=50, reward="digits")
+  tok = task.tokenizer
+  example = next(e for e in task.split("train") if len(e.answer) == 2)
+  answer = tok.encode(example.answer)
+  wrong = [answer[0], tok.encode(str((int(example.answer[1]) + 1) % 10))[0]]
+  rewards = task.reward([example] * 3, [[*answer, tok.eos_id], [*wrong, tok.eos_id], answer])
+  np.testing.assert_array_equal(rewards, np.asarray([1.0, 1 / 2, 2 / 3], np.float32))
+
+
+def test_exact_reward_is_the_default_and_unchanged():
+  task = tasks.ArithmeticTask(num_digits=2, operations="+-*", train_size=200, dev_size=0)
+  explicit = tasks.ArithmeticTask(
+    num_digits=2, operations="+-*", train_size=200, dev_size=0, reward="exact"
+  )
+  examples = task.split("train")[:70]
+  completions = _completions(task, examples, np.random.default_rng(1))
+  host = task.reward(examples, completions)
+  assert set(np.unique(host).tolist()) == {0.0, 1.0}
+  np.testing.assert_array_equal(explicit.reward(examples, completions), host)
+  np.testing.assert_array_equal(
+    host,
+    tasks.exact_match_rewards(
+      [task.answer_tokens(e) for e in examples], completions, task.stop_token_ids
+    ),
+  )
+  assert explicit.split("test") == task.split("test")
+
+
+@pytest.mark.parametrize("reward", ["digit", "", None, 1, "EXACT"])
+def test_bad_reward_raises(reward):
+  with pytest.raises(ValueError, match=r"'arithmetic'.*`reward`.*\('exact', 'digits'\)"):
+    tasks.ArithmeticTask(reward=reward)
+
+
+@pytest.mark.parametrize("require_stop", [True, False])
+@pytest.mark.parametrize("fixed_width", [True, False])
+def test_digits_jax_reward_equals_host_reward(require_stop, fixed_width):
+  task = tasks.ArithmeticTask(
+    num_digits=2,
+    operations="+-*",
+    train_size=200,
+    dev_size=0,
+    test_size=0,
+    fixed_width=fixed_width,
+    require_stop=require_stop,
+    reward="digits",
+  )
+  tok = task.tokenizer
+  rng = np.random.default_rng(0)
+  examples = list(task.split("train")[:70])
+  completions = _completions(task, examples, rng)
+  # Plus random near-misses: the answer with random digits replaced, random stop/cut.
+  for example in task.split("train")[70:140]:
+    row = list(tok.encode(example.answer))
+    digits = [tok.encode(str(d))[0] for d in rng.integers(0, 10, len(row))]
+    flips = rng.random(len(row)) < 0.3
+    row = [d if f else t for t, d, f in zip(row, digits, flips, strict=True)]
+    row = row[: rng.integers(0, len(row) + 1)] + [tok.eos_id] * int(rng.integers(0, 2))
+    examples.append(example)
+    completions.append(row)
+  host = task.reward(examples, completions)
+  assert host.dtype == np.float32 and host.min() >= 0.0 and host.max() == 1.0
+  assert len(np.unique(host)) > 4  # graded, not binary
+  exact = tasks.ArithmeticTask(
+    num_digits=2,
+    operations="+-*",
+    train_size=200,
+    dev_size=0,
+    test_size=0,
+    fixed_width=fixed_width,
+    require_stop=require_stop,
+  ).reward(examples, completions)
+  np.testing.assert_array_equal(host == 1.0, exact == 1.0)
+  answer_ids, answer_lengths = task.answer_arrays(examples)
+  lengths = np.asarray([len(c) for c in completions], np.int32)
+  reward = jax.jit(task.jax_reward)
+  for width, junk in ((int(lengths.max()), -7), (12, tok.pad_id), (12, tok.encode("1")[0])):
+    padded = np.full((len(examples), width), junk, np.int32)  # junk after each length
+    for i, c in enumerate(completions):
+      padded[i, : len(c)] = c
+    device = np.asarray(reward(answer_ids, answer_lengths, padded, lengths))
+    assert device.dtype == np.float32 and device.shape == (len(examples),)
+    np.testing.assert_array_equal(device, host)
+    np.testing.assert_array_equal(task.reward_padded(examples, padded.clip(0), lengths), host)
+  # Wider answer arrays, and completions narrower than the answer width.
+  wide_ids, wide_lengths = task.answer_arrays(examples, length=9)
+  np.testing.assert_array_equal(reward(wide_ids, wide_lengths, padded, lengths), host)
+  for cut in (0, 1, 2):
+    short = padded[:, :cut]
+    short_lengths = np.minimum(lengths, cut)
+    short_host = task.reward(examples, [c[:cut] for c in completions])
+    np.testing.assert_array_equal(
+      reward(answer_ids, answer_lengths, short, short_lengths), short_host
+    )
+
+
+def test_accuracy_stays_exact_match_under_the_graded_reward():
+  graded, exact = _task(reward="digits"), _task()
+  tok = graded.tokenizer
+  examples = list(graded.split("dev")[:3])
+  answers = [tok.encode(e.answer) for e in examples]
+  wrong = list(answers[1])
+  wrong[0] = tok.encode(str((int(examples[1].answer[0]) + 1) % 10))[0]
+  completions = [[*answers[0], tok.eos_id], [*wrong, tok.eos_id], answers[2]]
+  np.testing.assert_allclose(graded.reward(examples, completions), [1.0, 0.75, 0.8])
+  for task in (graded, exact):
+    assert task.correct(examples, completions).tolist() == [1.0, 0.0, 0.0]
+
+  class Greedy:  # a sampler stand-in that returns the completions above
+    def generate(self, params, prompts, num_samples, rng):
+      del params, num_samples, rng
+      n = len(prompts)
+      width = max(len(c) for c in completions)
+      tokens = np.zeros((n, width), np.int32)
+      for i, c in enumerate(completions[:n]):
+        tokens[i, : len(c)] = c
+      return types.SimpleNamespace(tokens=tokens, lengths=[len(c) for c in completions[:n]])
+
+  from rlx import rl  # noqa: PLC0415
+
+  acc = rl.greedy_accuracy(Greedy(), None, graded, examples, batch_size=3)
+  assert acc == pytest.approx(1 / 3)
+
+
+def test_rl_config_reward_reaches_the_task():
+  from rlx import rl  # noqa: PLC0415
+
+  config = rl.get_config()
+  config.task.arithmetic.num_digits = 2
+  config.task.arithmetic.train_size = 200
+  config.task.arithmetic.reward = "digits"
+  rl.validate_config(config)
+  assert rl.task_kwargs(config)["reward"] == "digits"
+  task = rl.make_task(config)
+  assert isinstance(task, tasks.ArithmeticTask) and task.reward_kind == "digits"
+  example = task.split("train")[0]
+  answer = task.tokenizer.encode(example.answer)  # 3 digits for 2-digit addition
+  assert task.reward([example], [answer]).tolist() == [np.float32(3 / 4)]
+  ids, lengths = task.answer_arrays([example])
+  device = task.jax_reward(ids, lengths, np.asarray([answer]), np.asarray([3]))
+  np.testing.assert_array_equal(device, [np.float32(3 / 4)])
+  # The default config builds the exact-reward task; a bad value fails at build time.
+  assert rl.make_task(rl.get_config()).reward_kind == "exact"
+  config.task.arithmetic.reward = "partial"
+  with pytest.raises(ValueError, match="`reward` must be one of"):
+    rl.make_task(config)
