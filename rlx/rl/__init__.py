@@ -57,6 +57,7 @@ from rlx.rl._learner import (
   Learner,
   RLStep,
   make_rl_step,
+  offpolicy_metrics,
 )
 from rlx.rl._logging import (
   MetricsLog,
@@ -134,6 +135,7 @@ __all__ = (
   "grid_points",
   "group_advantages",
   "make_rl_step",
+  "offpolicy_metrics",
   "make_sampler",
   "make_task",
   "pad_prompts",

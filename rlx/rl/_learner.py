@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlx import train
+from rlx import objectives, train
 from rlx.rl import _advantages, _batch, _config, _rollout, _staleness
 
 REWARD_MODES = ("auto", "jax", "host")
@@ -49,6 +49,31 @@ def _group_metrics(rewards: jax.Array, group_size: int) -> dict[str, jax.Array]:
   return {
     "groups_all_correct": jnp.mean(solved_all.astype(jnp.float32)),
     "groups_mixed": jnp.mean((solved_any & ~solved_all).astype(jnp.float32)),
+  }
+
+
+def offpolicy_metrics(
+  current_logp: jax.Array, rollout_logp: jax.Array, loss_mask: jax.Array
+) -> dict[str, jax.Array]:
+  """How far the policy being trained is from the one that sampled the batch.
+
+  Over the trained tokens (`loss_mask`, f32[B, S]) with the learner's log-probs
+  before the update `current_logp` and the sampler's `rollout_logp` (both
+  f32[B, S]):
+    offpolicy_ess: normalised effective sample size of the sequence likelihood
+      ratios `w_i = prod_t pi_current / pi_behaviour`
+      (`rlx.objectives.effective_sample_size` of
+      `rlx.objectives.sequence_importance_weights`), in [1/B, 1]; 1 = on-policy;
+    offpolicy_k3: the k3 estimate of KL(pi_behaviour || pi_current) per token
+      (`rlx.objectives.rollout_mismatch_kl`).
+  VCPO (https://arxiv.org/abs/2602.17616) tracks the same ESS to detect
+  harmful staleness.
+  """
+  seq_w = objectives.sequence_importance_weights(current_logp, rollout_logp, loss_mask)
+  valid = jnp.any(loss_mask != 0, axis=1)
+  return {
+    "offpolicy_ess": objectives.effective_sample_size(seq_w, valid),
+    "offpolicy_k3": objectives.rollout_mismatch_kl(current_logp, rollout_logp, loss_mask).k3,
   }
 
 
@@ -110,6 +135,7 @@ class Learner:
       lambda b, r: {**_rollout_metrics(b, r), **_group_metrics(r, group_size)}
     )
     self._train_batch = jax.jit(_batch.train_batch)
+    self._offpolicy = jax.jit(offpolicy_metrics)
 
   @property
   def updates_per_iteration(self) -> int:
@@ -232,6 +258,7 @@ class Learner:
     t2 = time.perf_counter()
     tb = train.shard_batch(tb, self.mesh)
     tb["old_logp"] = self._old_logp(state, behaviour_params, tb)
+    offpolicy = self._offpolicy_metrics(state, tb)
     if self.uses_ref:
       tb["ref_logp"] = self.compute_logprobs(ref_params, tb)
     jax.block_until_ready(tb)
@@ -243,6 +270,7 @@ class Learner:
     t5 = time.perf_counter()
     metrics = {k: float(v) for k, v in train.to_host(self._metrics(batch, batch.rewards)).items()}
     metrics.update(_host_floats(train_metrics))
+    metrics.update({k: float(v) for k, v in train.to_host(offpolicy).items()})
     metrics.update(_staleness.staleness_metrics(batch.policy_version, batch.response_mask, version))
     metrics.update(
       {
@@ -256,6 +284,21 @@ class Learner:
     if refresh_s is not None:
       metrics["time/refresh_s"] = refresh_s
     return state, metrics, batch
+
+  def _offpolicy_metrics(self, state: train.TrainState, tb: dict) -> dict[str, jax.Array]:
+    """`offpolicy_metrics` of the batch under `state.params`; {} for an on-policy run.
+
+    Free when old_logp is the current policy's; with rl.old_logp = behaviour
+    or sampler at rl.staleness > 0 it costs one more log-prob pass.
+    """
+    rl_cfg = self.config.rl
+    if rl_cfg.old_logp == "current":
+      current = tb["old_logp"]
+    elif rl_cfg.staleness > 0:
+      current = self.compute_logprobs(state, tb)
+    else:
+      return {}
+    return self._offpolicy(current, tb["rollout_logp"], tb["loss_mask"])
 
   def _old_logp(self, state: train.TrainState, rollout_params: Any, tb: dict) -> jax.Array:
     """The train batch's `old_logp` as `config.rl.old_logp` says (current | behaviour | sampler)."""

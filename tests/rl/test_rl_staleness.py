@@ -149,6 +149,23 @@ def test_staleness_metrics_by_hand():
     rl.staleness_metrics(versions, mask[:, :2], 4)
 
 
+def test_offpolicy_metrics_by_hand():
+  # Row 0: log-ratios 0.5 and -0.25 -> w0 = e^0.25; row 1: one token at -1.0 ->
+  # w1 = e^-1; row 2 has no trained token and does not count.
+  current = np.array([[0.0, -1.0, -0.5], [-2.0, 0.0, 0.0], [-1.0, -1.0, 0.0]], np.float32)
+  behaviour = np.array([[-0.5, -0.75, -9.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+  mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], np.float32)
+  m = rl.offpolicy_metrics(current, behaviour, mask)
+  w = np.exp([0.25, -1.0])
+  assert float(m["offpolicy_ess"]) == pytest.approx(w.sum() ** 2 / (2 * (w**2).sum()), rel=1e-6)
+  d = np.array([0.5, -0.25, -1.0])  # current - behaviour on the 3 trained tokens
+  k3 = np.mean(np.exp(d) - 1 - d)
+  assert float(m["offpolicy_k3"]) == pytest.approx(k3, rel=1e-5)
+  same = rl.offpolicy_metrics(current, current, mask)
+  assert float(same["offpolicy_ess"]) == pytest.approx(1.0)
+  assert float(same["offpolicy_k3"]) == pytest.approx(0.0, abs=1e-7)
+
+
 def test_config_validation_names_the_fields():
   c = rl_test_utils.tiny_config(**{"rl.staleness": 3, "train.mini_batches": 2})
   with pytest.raises(ValueError, match=r"config.rl.staleness`=3 must be a multiple of the 2"):
@@ -203,6 +220,10 @@ def test_run_trains_each_batch_k_updates_stale(stale_run):
   assert summary["staleness_mean"] == pytest.approx(by_hand)
   # The behaviour policy is 2 updates behind the proximal one: a measurable mismatch.
   assert all(r["mismatch_k3"] > 1e-7 for r in rl_records[2:])
+  # ... which the off-policy diagnostics report (old_logp is the current policy's here).
+  for r in rl_records[2:]:
+    assert r["offpolicy_k3"] == pytest.approx(r["mismatch_k3"], rel=1e-4, abs=1e-9)
+    assert 0.0 < r["offpolicy_ess"] < 1.0
 
 
 def test_killed_run_resumes_equal_to_the_straight_one(stale_run, tmp_path, monkeypatch):
@@ -265,6 +286,13 @@ def test_old_logp_modes(tmp_path):
   assert last["current"]["mismatch_k3"] > 10 * max(last["behaviour"]["mismatch_k3"], 1e-8)
   # Same first batch (staleness 0 at the first update): "current" == "behaviour" there.
   assert out["current"][0]["loss"] == out["behaviour"][0]["loss"]
+  # Every mode reports the current policy's distance from the sampler (the same
+  # numbers on the first batches, which every mode samples alike).
+  for mode in ("behaviour", "sampler"):
+    assert out[mode][1]["offpolicy_k3"] == pytest.approx(
+      out["current"][1]["offpolicy_k3"], rel=0.05
+    )
+    assert out[mode][-1]["offpolicy_k3"] > 10 * max(last["behaviour"]["mismatch_k3"], 1e-8)
 
 
 def test_periodic_mode_with_mini_batches(tmp_path):
