@@ -103,7 +103,7 @@ def _print_row(row: Mapping[str, Any]) -> None:
 
 def run_sweep(
   base: ml_collections.ConfigDict,
-  grid: Mapping[str, Sequence[Any]],
+  grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]],
   seeds: Sequence[int],
   workdir: str,
   *,
@@ -114,7 +114,9 @@ def run_sweep(
 
   Args:
     base: the base RL config.
-    grid: config field -> values to try.
+    grid: config field -> values to try (their product is run), or the list
+      of points itself, each a dict of config field -> value (for settings
+      that only make sense together, e.g. a loss with its old_logp mode).
     seeds: the seeds (`config.seed`) of each point.
     workdir: root directory; each run gets `workdir/<point>/seed_<s>`.
     share_warmup: runs with equal `warmup_key`s (same seed, task, model,
@@ -129,8 +131,15 @@ def run_sweep(
   """
   if not seeds:
     raise ValueError("`seeds` is empty.")
+  if isinstance(grid, Mapping):
+    points = grid_points(grid)
+  else:
+    points = [dict(p) for p in grid]
+    names = [point_name(p) for p in points]
+    if len(set(names)) != len(names):
+      raise ValueError(f"`grid` lists a point twice: {names}.")
   runs = []
-  for point in grid_points(grid):
+  for point in points:
     for seed in seeds:
       config = copy.deepcopy(base)
       for key, value in point.items():

@@ -225,6 +225,14 @@ def test_a_sweep_checks_every_point_before_running(tmp_path):
   with pytest.raises(ValueError, match=r"Grid point loss=nope \(seed 0\): `config.train.loss`"):
     rl.run_sweep(base, {"train.loss": ["ppo", "nope"]}, [0], str(tmp_path))
   assert not os.listdir(tmp_path)  # nothing ran
+  # Explicit points: settings that go together, checked the same way.
+  points = [{"train.loss": "ppo", "rl.old_logp": "behaviour"}, {"train.loss": "ppo"}]
+  bad = [*points, {"train.loss": "ppo", "rl.old_logp": "proximal"}]
+  with pytest.raises(ValueError, match=r"Grid point loss=ppo,old_logp=proximal .*rl.old_logp"):
+    rl.run_sweep(base, bad, [0], str(tmp_path))
+  with pytest.raises(ValueError, match="lists a point twice"):
+    rl.run_sweep(base, [points[1], points[1]], [0], str(tmp_path))
+  assert not os.listdir(tmp_path)
 
 
 def test_an_imported_file_can_import_its_siblings(tmp_path, monkeypatch):
