@@ -15,6 +15,9 @@ that sample each batch (a ring of versions, or an interval refresh):
   params_k, v = rollout_params.select(state.params, learner.version(state))
   state, metrics, batch = learner.iteration(
       state, ref_params, rollout, examples, rng, rollout_params=params_k, rollout_version=v)
+PPO-EWMA (config.rl.old_logp = "ewma"): `ProximalEwma` holds the proximal
+params whose log-probs are old_logp: `learner.iteration(...,
+proximal_params=ewma.select(state.params))`, then `ewma.update(state.params)`.
 
 FP8 rollout (config.rollout.weight_dtype / kv_dtype): SyncRollout over an FP8
 sampler holds an `Fp8Refresh` (`rollout.fp8`): the rollout params and KV
@@ -83,6 +86,7 @@ from rlx.rl._run import (
 )
 from rlx.rl._staleness import (
   STALENESS_MODES,
+  ProximalEwma,
   RolloutParams,
   staleness_metrics,
 )
@@ -115,6 +119,7 @@ __all__ = (
   "RLStep",
   "Rollout",
   "RolloutBatch",
+  "ProximalEwma",
   "RolloutParams",
   "STALENESS_MODES",
   "SUPERVISED_NOTE",

@@ -39,7 +39,7 @@ FREE_FORM = (
 NOT_COMPARED = ("log.", "imports", "warmup.init_from", "compilation_cache_dir")
 # rollout.weight_dtype / rollout.kv_dtype choices (rlx.sampling.SamplerConfig's).
 WEIGHT_DTYPES = _choices.WEIGHT_DTYPES
-OLD_LOGP_MODES = ("current", "behaviour", "sampler")
+OLD_LOGP_MODES = ("current", "behaviour", "sampler", "ewma")
 KV_DTYPES = ("auto", *_choices.KV_DTYPES)  # "auto": the model's compute dtype
 FP8_DTYPES = tuple(_choices.FP8_DTYPES)
 
@@ -245,8 +245,17 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   #               rows mix versions;
   #   "sampler"   the sampler's recorded rollout_logp (the behaviour policy
   #               as sampled, FP8 / sampler numerics included; needs no
-  #               forward pass).
+  #               forward pass);
+  #   "ewma"      PPO-EWMA's proximal policy (Hilton et al. 2021,
+  #               https://arxiv.org/abs/2110.00641): an exponentially
+  #               weighted average of the learner's params, decay
+  #               rl.ewma_decay per iteration (rlx.rl.ProximalEwma; held by the
+  #               loop and checkpointed). Pair it with
+  #               train.use_rollout_correction for the behaviour weight.
   c.rl.old_logp = "current"
+  # beta of rl.old_logp = "ewma", in (0, 1): params j iterations back weigh
+  # beta^j (0.9: a centre of mass about 9 iterations back, rlx's choice).
+  c.rl.ewma_decay = 0.9
 
 
 def _add_warmup_eval_and_outputs(c: ml_collections.ConfigDict) -> None:
@@ -321,6 +330,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _choice(rl.reward, ("auto", "jax", "host"), "config.rl.reward")
   _choice(rl.old_logp, OLD_LOGP_MODES, "config.rl.old_logp")
   _choice(rl.staleness_ring, _staleness.RING_PLACES, "config.rl.staleness_ring")
+  d = rl.ewma_decay
+  if isinstance(d, bool) or not isinstance(d, int | float) or not 0.0 < d < 1.0:
+    raise ValueError(f"`config.rl.ewma_decay` must be a number in (0, 1), got {d!r}.")
   if rl.old_logp == "behaviour" and over > 1.0:
     raise ValueError(
       "`config.rl.old_logp`='behaviour' needs one params version per batch; partial rollouts "

@@ -8,11 +8,13 @@ One object behind the loop, whatever the rollout is:
   partial   APRIL partial rollouts (`PartialRollout`, `rollout.over_provision`
             > 1), which pull as many prompts as they need;
   stale     any of the host-driven ones with `rl.staleness` > 0: the batch is
-            sampled by a held param version (`RolloutParams`).
+            sampled by a held param version (`RolloutParams`); with
+            `rl.old_logp = "ewma"` the driver also holds PPO-EWMA's proximal
+            params (`ProximalEwma`).
 
 The loop only calls `iteration(state, ref_params, rng)` and checkpoints
 `state_dict()` (the partial-rollout buffer, the FP8 KV scales, the held
-versions and the data cursor live here, so a resumed run continues exactly).
+versions, the proximal average and the data cursor live here, so a resumed run continues exactly).
 """
 
 import concurrent.futures
@@ -60,7 +62,7 @@ class RolloutDriver:
     self.fused = bool(
       not self.partial
       and int(config.rl.staleness) == 0
-      and config.rl.old_logp != "sampler"
+      and config.rl.old_logp not in ("sampler", "ewma")
       and config.rl.fused
       and learner.jax_reward is not None
       and hasattr(sampler, "generate_fn")
@@ -79,6 +81,14 @@ class RolloutDriver:
       updates_per_iteration=learner.updates_per_iteration,
       place=config.rl.staleness_ring,
       put=lambda tree: train.shard_params(tree, learner.model_config, learner.mesh),
+    )
+    self.proximal = (
+      _staleness.ProximalEwma(
+        float(config.rl.ewma_decay),
+        put=lambda tree: train.shard_params(tree, learner.model_config, learner.mesh),
+      )
+      if config.rl.old_logp == "ewma"
+      else None
     )
     self._ahead = None
     self.source = None
@@ -164,6 +174,8 @@ class RolloutDriver:
       self._restore(self.partial_rollout, extra, "rollout_buffer", resumed, "a rollout buffer")
     if int(self.config.rl.staleness):
       self._restore(self.rollout_params, extra, "staleness", resumed, "held param versions")
+    if self.proximal is not None:
+      self._restore(self.proximal, extra, "proximal", resumed, "PPO-EWMA proximal params")
     if self.fused and fp8 is not None:  # refreshed inside the fused program: time it standalone
       self.refresh_probe_s = fp8.time_refresh(
         state.params, self._first_prompts(), num_samples=self.k, width=self.width
@@ -204,19 +216,35 @@ class RolloutDriver:
       )
       return state, metrics
     params, version = self.rollout_params.select(state.params, learner.version(state))
+    proximal = None if self.proximal is None else self.proximal.select(state.params)
     if self.partial:
       pr = self.partial_rollout
       batch, keys = pr.collect_groups(params, self._pull, rng, policy_version=version)
       examples = [self.train_examples[int(i)] for i in keys]
       state, metrics, _ = learner.update(
-        state, ref_params, batch, examples, refresh=pr.refresh, rollout_s=time.perf_counter() - t0
+        state,
+        ref_params,
+        batch,
+        examples,
+        proximal_params=proximal,
+        refresh=pr.refresh,
+        rollout_s=time.perf_counter() - t0,
       )
       metrics.update(pr.metrics())
-      return state, metrics
-    examples = self.source.next_batch()
-    state, metrics, _ = learner.iteration(
-      state, ref_params, self.rollout, examples, rng, rollout_params=params, rollout_version=version
-    )
+    else:
+      examples = self.source.next_batch()
+      state, metrics, _ = learner.iteration(
+        state,
+        ref_params,
+        self.rollout,
+        examples,
+        rng,
+        rollout_params=params,
+        rollout_version=version,
+        proximal_params=proximal,
+      )
+    if self.proximal is not None:
+      self.proximal.update(state.params)
     return state, metrics
 
   def state_dict(self) -> dict[str, Any]:
@@ -229,4 +257,6 @@ class RolloutDriver:
     held = self.rollout_params.state_dict()
     if held:
       extra["staleness"] = held
+    if self.proximal is not None and self.proximal.params is not None:
+      extra["proximal"] = self.proximal.state_dict()
     return extra

@@ -176,6 +176,7 @@ class Learner:
     *,
     rollout_params: Any = None,
     rollout_version: int | None = None,
+    proximal_params: Any = None,
   ) -> tuple[train.TrainState, dict[str, float], _batch.RolloutBatch]:
     """One host-driven iteration; returns (state, host metrics, the rollout batch).
 
@@ -196,6 +197,8 @@ class Learner:
       rollout_params: the params that sample the batch (stale ones, e.g. from
         `RolloutParams.select`); None = `state.params`.
       rollout_version: their version (needed with `rollout_params`).
+      proximal_params: the proximal params of `rl.old_logp = "ewma"`
+      (`ProximalEwma.select`).
     """
     t0 = time.perf_counter()
     if rollout_params is None:
@@ -212,6 +215,7 @@ class Learner:
       batch,
       examples,
       behaviour_params=rollout_params,
+      proximal_params=proximal_params,
       refresh=getattr(rollout, "refresh", None),
       rollout_s=time.perf_counter() - t0,
     )
@@ -224,6 +228,7 @@ class Learner:
     examples: Sequence[Any],
     *,
     behaviour_params: Any = None,
+    proximal_params: Any = None,
     refresh: Any = None,
     rollout_s: float = 0.0,
   ) -> tuple[train.TrainState, dict[str, float], _batch.RolloutBatch]:
@@ -239,6 +244,8 @@ class Learner:
       examples: the N task examples its rows answer, K rows each.
       behaviour_params: the single params version that sampled the batch, for
         `rl.old_logp = "behaviour"`; None = `state.params`.
+      proximal_params: the proximal params for `rl.old_logp = "ewma"`
+        (PPO-EWMA's average, `rlx.rl.ProximalEwma`); needed in that mode.
       refresh: `refresh(params, batch) -> seconds` run after the update (the
         FP8 rollout policy's), or None.
       rollout_s: the seconds the rollout took, reported as `time/rollout_s`.
@@ -257,7 +264,7 @@ class Learner:
     jax.block_until_ready(tb)
     t2 = time.perf_counter()
     tb = train.shard_batch(tb, self.mesh)
-    tb["old_logp"] = self._old_logp(state, behaviour_params, tb)
+    tb["old_logp"] = self._old_logp(state, behaviour_params, proximal_params, tb)
     offpolicy = self._offpolicy_metrics(state, tb)
     if self.uses_ref:
       tb["ref_logp"] = self.compute_logprobs(ref_params, tb)
@@ -288,23 +295,29 @@ class Learner:
   def _offpolicy_metrics(self, state: train.TrainState, tb: dict) -> dict[str, jax.Array]:
     """`offpolicy_metrics` of the batch under `state.params`; {} for an on-policy run.
 
-    Free when old_logp is the current policy's; with rl.old_logp = behaviour
-    or sampler at rl.staleness > 0 it costs one more log-prob pass.
+    Free when old_logp is the current policy's; otherwise (rl.old_logp =
+    behaviour or sampler at rl.staleness > 0, or ewma) one more log-prob pass.
     """
     rl_cfg = self.config.rl
     if rl_cfg.old_logp == "current":
       current = tb["old_logp"]
-    elif rl_cfg.staleness > 0:
+    elif rl_cfg.staleness > 0 or rl_cfg.old_logp == "ewma":
       current = self.compute_logprobs(state, tb)
     else:
       return {}
     return self._offpolicy(current, tb["rollout_logp"], tb["loss_mask"])
 
-  def _old_logp(self, state: train.TrainState, rollout_params: Any, tb: dict) -> jax.Array:
-    """The train batch's `old_logp` as `config.rl.old_logp` says (current | behaviour | sampler)."""
+  def _old_logp(
+    self, state: train.TrainState, rollout_params: Any, proximal_params: Any, tb: dict
+  ) -> jax.Array:
+    """The batch's `old_logp` as `config.rl.old_logp` says (see rlx.rl.get_config)."""
     mode = self.config.rl.old_logp
     if mode == "sampler":
       return tb["rollout_logp"]
+    if mode == "ewma":
+      if proximal_params is None:
+        raise ValueError("`proximal_params` is needed with config.rl.old_logp='ewma'.")
+      return self.compute_logprobs(proximal_params, tb)
     if mode == "behaviour" and rollout_params is not state.params:
       return self.compute_logprobs(rollout_params, tb)
     return self.compute_logprobs(state, tb)

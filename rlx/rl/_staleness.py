@@ -174,6 +174,95 @@ class RolloutParams:
     self._held = held
 
 
+class ProximalEwma:
+  """PPO-EWMA's proximal policy: an exponentially weighted average of past params.
+
+  Hilton et al. 2021, "Batch size-invariance for policy optimization",
+  https://arxiv.org/abs/2110.00641 (the decoupled objective's proximal policy
+  `pi_prox`, reference code https://github.com/openai/ppo-ewma, `EwmaModel`):
+  the average starts as a copy of the params and, with decay `beta` and a
+  running total weight `W` (1 at the start), each `update(params)` does
+
+    W'        = beta * W + 1
+    theta_avg = (beta * W / W') * theta_avg + params / W'
+
+  the bias-corrected EWMA, so early on it is the plain mean of the params so
+  far, later it weights params `j` updates back by `beta^j`. Its log-probs
+  stand in for the exact old log-probs when those are too expensive or
+  missing (the clip is centred on it; the behaviour weight pi_prox / mu goes
+  through `train.use_rollout_correction`).
+
+  The loop updates it once per RL iteration, after the iteration's M
+  optimizer updates, with the params at the iteration boundary: with M = 1
+  that is the reference's per-update rule; with M > 1 the M updates of one
+  batch count as one step of the average (the reference updates it between
+  mini-batches too). Its log-probs are computed once per batch, before the
+  batch's first update, like every other `rl.old_logp` mode.
+
+  Attributes:
+    decay: beta in (0, 1).
+    total_weight: W.
+    params: the average (a device pytree), None before `select` first runs.
+  """
+
+  def __init__(self, decay: float, *, put: Callable[[Any], Any] | None = None):
+    """Args:
+    decay: beta in (0, 1) (`config.rl.ewma_decay`).
+    put: host tree -> device tree on the learner's mesh, for `load_state_dict`.
+    """
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0.0 < decay < 1.0:
+      raise ValueError(f"`config.rl.ewma_decay` must be a number in (0, 1), got {decay!r}.")
+    self.decay = float(decay)
+    self.total_weight = 1.0
+    self.params = None
+    self._put = put
+    self._update = jax.jit(_ewma_update, donate_argnums=(0,))
+
+  def select(self, params: Any) -> Any:
+    """The proximal params; the first call starts the average at a copy of `params`."""
+    if self.params is None:
+      self.params = jax.tree.map(jnp.copy, params)
+      self.total_weight = 1.0
+    return self.params
+
+  def update(self, params: Any) -> None:
+    """Folds the learner's new params into the average (see the class docstring)."""
+    if self.params is None:
+      self.select(params)
+      return
+    new_total = self.decay * self.total_weight + 1.0
+    keep = jnp.float32(self.decay * self.total_weight / new_total)
+    self.params = self._update(self.params, params, keep, jnp.float32(1.0 / new_total))
+    self.total_weight = new_total
+
+  def state_dict(self) -> dict[str, Any]:
+    """The average as host arrays and its total weight (empty before the first `select`)."""
+    if self.params is None:
+      return {}
+    return {
+      "total_weight": np.float64(self.total_weight),
+      "params": jax.tree.map(lambda x: np.array(x, copy=True), self.params),
+    }
+
+  def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    """Restores `state_dict()` onto the device with `put`."""
+    if not state:
+      self.params, self.total_weight = None, 1.0
+      return
+    if self._put is None:
+      raise ValueError("`put` is needed to restore the proximal params onto the device.")
+    self.params = self._put(state["params"])
+    self.total_weight = float(np.asarray(state["total_weight"]))
+
+
+def _ewma_update(avg: Any, params: Any, keep: jax.Array, new: jax.Array) -> Any:
+  return jax.tree.map(
+    lambda a, p: (keep * a.astype(jnp.float32) + new * p.astype(jnp.float32)).astype(a.dtype),
+    avg,
+    params,
+  )
+
+
 def staleness_metrics(
   policy_version: Any, response_mask: Any, learner_version: int
 ) -> dict[str, Any]:
