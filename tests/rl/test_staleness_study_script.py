@@ -31,7 +31,9 @@ def test_every_cell_is_a_valid_config_with_its_old_logp(study):
   # policy for the decoupled ones (their mask / weight is behaviour -> proximal).
   assert modes["ppo"] == modes["vespo"] == modes["sat"] == "behaviour"
   assert modes["m2po"] == modes["decoupled_ppo"] == "current" and modes["ppo_ewma"] == "ewma"
-  assert study.METHODS["m2po"]["train.use_m2po"] is True
+  m2po = study.METHODS["m2po"]
+  assert m2po["train.use_m2po"] and m2po["train.use_rollout_correction"]
+  assert m2po["train.rollout_correction_kwargs.truncate"] is None  # M2PO's ratio to mu, whole
 
 
 def _write(workdir, records):
@@ -54,22 +56,27 @@ def test_run_stats_by_hand(study, tmp_path):
   _write(tmp_path, records)
   s = study.run_stats(str(tmp_path), warmup_dev=0.3)
   assert s["best_dev"] == 0.7 and s["final_dev"] == 0.45
-  assert s["max_drop"] == pytest.approx(0.25) and s["collapsed"]  # 0.7 -> 0.45 > 20 points
+  assert s["max_drop"] == pytest.approx(0.25) and s["collapsed"]  # ends 25 points below 0.7
   assert s["clip_frac"] == pytest.approx(0.3)
   assert s["mask_frac"] == pytest.approx(0.5 / 3)
   assert s["ess"] == pytest.approx(0.6)
   assert s["entropy_start"] == pytest.approx(2.0) and s["entropy_end"] == pytest.approx(2.0)
   assert s["dev_curve"] == [[0, 0.3], [2, 0.7], [3, 0.45]]
-  # A drop of exactly 20 points, or a rise, is no collapse.
+  # Ending exactly 20 points below the peak is no collapse; nor is a dip that recovers.
   records[-1] = {"phase": "eval", "iteration": 3, "dev_accuracy": 0.5}
   _write(tmp_path, records)
   assert not study.run_stats(str(tmp_path), warmup_dev=0.3)["collapsed"]
+  records += [{"phase": "eval", "iteration": 4, "dev_accuracy": 0.2}]
+  records += [{"phase": "eval", "iteration": 5, "dev_accuracy": 0.65}]
+  _write(tmp_path, records)
+  s = study.run_stats(str(tmp_path), warmup_dev=0.3)
+  assert s["max_drop"] == pytest.approx(0.5) and not s["collapsed"]
 
 
 def test_tables_pair_each_cell_with_its_own_staleness_zero(study):
   def row(seed, acc):
     return {
-      "seed": seed, "accuracy_after": acc, "best_dev": acc, "collapsed": acc < 0.5,
+      "seed": seed, "accuracy_after": acc, "best_dev": acc, "collapsed": acc < 0.5, "max_drop": 0.1,
       "clip_frac": 0.1, "mask_frac": 0.0, "ess": 1.0, "entropy_start": 0.5, "entropy_end": 0.4,
     }  # fmt: skip
 
