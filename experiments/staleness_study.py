@@ -180,19 +180,22 @@ def study_table(cells: dict) -> str:
   """Markdown: one row per (objective, staleness), mean (min..max) over seeds."""
   lines = [
     "| objective | staleness | seeds | test acc. after | vs own staleness 0, paired (points) "
-    "| best dev acc. | collapses | deepest dip | clip frac. | mask / trunc. frac. | ESS "
+    "| vs ppo at this staleness, paired (points) | best dev acc. | collapses | deepest dip "
+    "| clip frac. | mask / trunc. frac. | ESS "
     "| entropy start -> end |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (method, k), rows in cells.items():
     base = cells.get((method, 0), [])
     paired = "-" if k == 0 else _paired(rows, base, "accuracy_after", 100.0)
+    ppo = cells.get(("ppo", k), [])
+    vs_ppo = "-" if method == "ppo" else _paired(rows, ppo, "accuracy_after", 100.0)
     ent = f"{_fmt([r['entropy_start'] for r in rows], '.3f')} -> " + _fmt(
       [r["entropy_end"] for r in rows], ".3f"
     )
     lines.append(
       f"| {method} | {k} | {len(rows)} | {_fmt([r['accuracy_after'] for r in rows], '.3f')} | "
-      f"{paired} | {_fmt([r['best_dev'] for r in rows], '.3f')} | "
+      f"{paired} | {vs_ppo} | {_fmt([r['best_dev'] for r in rows], '.3f')} | "
       f"{sum(r['collapsed'] for r in rows)}/{len(rows)} | "
       f"{_fmt([r['max_drop'] for r in rows], '.3f')} | "
       f"{_fmt([r['clip_frac'] for r in rows], '.3f')} | "

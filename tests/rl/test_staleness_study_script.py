@@ -83,9 +83,12 @@ def test_tables_pair_each_cell_with_its_own_staleness_zero(study):
   cells = {
     ("ppo", 0): [row(0, 0.8), row(1, 0.9)],
     ("ppo", 4): [row(0, 0.7), row(1, 0.4)],
+    ("vespo", 4): [row(0, 0.75), row(1, 0.6)],
   }
   table = study.study_table(cells)
-  assert "| ppo | 4 | 2 | 0.550 (0.400..0.700) | -30.0 ± 28.3 (n=2) |" in table
+  assert "| ppo | 4 | 2 | 0.550 (0.400..0.700) | -30.0 ± 28.3 (n=2) | - |" in table
+  # No staleness-0 cell of its own; +5 and +20 points over ppo seed by seed.
+  assert "| vespo | 4 | 2 | 0.675 (0.600..0.750) | - | +12.5 ± 10.6 (n=2) |" in table
   assert "| 1/2 |" in table
   summary = study.summary_table(cells, ["ppo"], [0, 4])
   assert "| ppo | 0.850 | 0.550 (1 collapsed) |" in summary
