@@ -18,17 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rlx._choices import ATTENTION_IMPLS, check_choice
 from rlx.kernels_pallas._fp8_quant import is_fp8
 
 # Finite "minus infinity" for masked logits and running maxima: exp(MASK_VALUE - m)
 # underflows to 0 and MASK_VALUE - MASK_VALUE stays finite (no inf - inf = NaN), as in
 # JAX's `pallas.ops.gpu.paged_attention` (`DEFAULT_MASK_VALUE`).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-# "auto": the kernel of the inputs' platform (XLA on CPU); "pallas": the Pallas kernel of
-# that platform (off GPU/TPU chosen by `interpret`); "pallas_gpu" (Triton), "pallas_tpu"
-# (Mosaic), "xla" (pure-jnp reference math).
-IMPLS = ("auto", "pallas", "pallas_gpu", "pallas_tpu", "xla")
 
 # Device.platform spellings -> jax.default_backend() spellings.
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
@@ -127,8 +123,7 @@ def resolve_impl(impl: str, interpret, platform: str) -> str:
   """
   from jax.experimental.pallas import tpu as pltpu
 
-  if impl not in IMPLS:
-    raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}.")
+  check_choice(impl, ATTENTION_IMPLS, "impl")
   if impl == "auto":
     return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
   if impl == "pallas":

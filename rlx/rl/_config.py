@@ -22,9 +22,11 @@ from typing import Any
 import ml_collections
 
 from rlx import _choices, objectives, tasks, train
-from rlx.rl import _cache, _staleness
+from rlx.rl import _advantages, _cache, _staleness
 
-BASELINES = ("grpo", "drgrpo", "rloo", "median")
+BASELINES = _advantages.BASELINES
+# config.rl.reward: "auto" = the task's JAX reward when it has one, else the host reward.
+REWARD_MODES = ("auto", "jax", "host")
 # Sections whose keys are free-form: keyword arguments of a function, checked
 # against its signature. `task.<name>` sections (one per task) are free-form too.
 FREE_FORM = (
@@ -40,7 +42,7 @@ NOT_COMPARED = ("log.", "imports", "warmup.init_from", "compilation_cache_dir")
 # rollout.weight_dtype / rollout.kv_dtype choices (rlx.sampling.SamplerConfig's).
 WEIGHT_DTYPES = _choices.WEIGHT_DTYPES
 OLD_LOGP_MODES = ("current", "behaviour", "sampler", "ewma")
-KV_DTYPES = ("auto", *_choices.KV_DTYPES)  # "auto": the model's compute dtype
+KV_DTYPES = _choices.KV_DTYPE_NAMES  # "auto": the model's compute dtype
 FP8_DTYPES = tuple(_choices.FP8_DTYPES)
 
 
@@ -327,7 +329,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     )
   _choice(config.rollout.weight_dtype, WEIGHT_DTYPES, "config.rollout.weight_dtype")
   kv_dtype(config)
-  _choice(rl.reward, ("auto", "jax", "host"), "config.rl.reward")
+  _choice(rl.reward, REWARD_MODES, "config.rl.reward")
   _choice(rl.old_logp, OLD_LOGP_MODES, "config.rl.old_logp")
   _choice(rl.staleness_ring, _staleness.RING_PLACES, "config.rl.staleness_ring")
   d = rl.ewma_decay

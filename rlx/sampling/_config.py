@@ -5,7 +5,7 @@ import math
 
 import jax.numpy as jnp
 
-from rlx._choices import ATTENTION_IMPLS, KV_DTYPES, WEIGHT_DTYPES, check_choice
+from rlx._choices import ATTENTION_IMPLS, KV_DTYPE_NAMES, KV_DTYPES, WEIGHT_DTYPES, check_choice
 
 
 def _positive_int(value, name: str) -> int:
@@ -78,7 +78,7 @@ class SamplerConfig:
       "prefill_chunk",
     ):
       _positive_int(getattr(self, name), name)
-    check_choice(self.kv_dtype, ("auto", *KV_DTYPES), "kv_dtype")
+    check_choice(self.kv_dtype, KV_DTYPE_NAMES, "kv_dtype")
     if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
       raise ValueError(
         f"`weight_dtype` must be None or one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}."

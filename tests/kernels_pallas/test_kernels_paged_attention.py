@@ -443,6 +443,12 @@ def test_impl_resolution():
     resolve("pallas_tpu", False, "gpu")
   with pytest.raises(ValueError, match="not a GPU"):
     resolve("pallas_gpu", False, "cpu")
+  with pytest.raises(
+    ValueError,
+    match=r"`impl` must be one of \('auto', 'pallas', 'pallas_gpu', 'pallas_tpu', 'xla'\), "
+    "got 'cuda'",
+  ):
+    resolve("cuda", False, "gpu")
 
 
 def test_dispatch_follows_where_the_arrays_live(monkeypatch):

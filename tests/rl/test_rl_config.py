@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import rl_test_utils
 
-from rlx import objectives, rl
+from rlx import _choices, objectives, rl
+from rlx.rl import _advantages, _config
 
 _CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
 
@@ -41,6 +42,14 @@ def _experiment_config(name):
 def test_bad_config_raises(overrides, match):
   with pytest.raises(ValueError, match=match):
     rl.validate_config(rl_test_utils.tiny_config(**overrides))
+
+
+def test_shared_choices_have_one_source():
+  assert rl.BASELINES is _advantages.BASELINES
+  assert _config.KV_DTYPES is _choices.KV_DTYPE_NAMES
+  for field, value in (("rl.reward", "device"), ("rollout.kv_dtype", "int8")):
+    with pytest.raises(ValueError, match=f"`config.{field}` must be one of"):
+      rl.validate_config(rl_test_utils.tiny_config(**{field: value}))
 
 
 def test_unknown_task_raises_before_any_work(tmp_path):

@@ -108,7 +108,8 @@ def test_shared_names_have_one_source():
   assert sampling.WEIGHT_DTYPES is _choices.WEIGHT_DTYPES
   assert set(_choices.FP8_DTYPES) <= set(_choices.KV_DTYPES)
   assert _mesh_axes.BATCH_AXES == _mesh_axes.MESH_AXES[:2]
-  assert _choices.ATTENTION_IMPLS == kernels_pallas._common.IMPLS
+  assert kernels_pallas._common.ATTENTION_IMPLS is _choices.ATTENTION_IMPLS
+  assert not hasattr(kernels_pallas._common, "IMPLS")
   with pytest.raises(ValueError, match="`attention_impl` must be one of"):
     dataclasses.replace(CFG, attention_impl="cuda")
 
