@@ -273,6 +273,9 @@ def _add_warmup_eval_and_outputs(c: ml_collections.ConfigDict) -> None:
   c.warmup.on_cap = "raise"  # raise | warn
   c.warmup.batch_size = 64  # sequences per warm-up step
   c.warmup.learning_rate = 3e-3
+  # Global-norm gradient clipping of the warm-up's AdamW steps (a finite
+  # number >= 0; 0 = no clipping), as `train.max_grad_norm` for the RL steps.
+  c.warmup.max_grad_norm = 1.0
   c.warmup.eval_every = 50  # warm-up steps between dev evaluations
   # Reuse the warm-up of another run instead of training one: a workdir (its
   # warmup/ checkpoint) or a warm-up checkpoint directory. Its warm-up config
@@ -372,6 +375,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     value = config.warmup[name]
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"`config.warmup.{name}` must be an int >= 1, got {value!r}.")
+  clip = config.warmup.max_grad_norm
+  if isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 <= clip < float("inf"):
+    raise ValueError(
+      f"`config.warmup.max_grad_norm` must be a finite number >= 0 (0 = no clipping), got {clip!r}."
+    )
   for name in ("target_dev_accuracy",):
     for section in ("warmup", "rl"):
       value = config[section][name]

@@ -72,11 +72,21 @@ def resolve_source(init_from: str) -> str:
 
 
 def read_key(directory: str) -> dict[str, Any] | None:
+  """The `warmup_key` saved in `directory` (None if none is).
+
+  A warm-up field added to the config after that key was saved had its
+  default then, and is filled in so (the key of a default warm-up stays equal).
+  """
   path = os.path.join(directory, KEY_FILE)
   if not os.path.exists(path):
     return None
   with open(path) as f:
-    return json.load(f)
+    key = json.load(f)
+  warm = key.get("warmup") if isinstance(key, dict) else None
+  if isinstance(warm, dict):
+    for name, value in warmup_key(_config.get_config())["warmup"].items():
+      warm.setdefault(name, value)
+  return key
 
 
 def key_differences(a: dict, b: dict, prefix: str = "") -> list[str]:

@@ -68,7 +68,35 @@ def sft_batch(examples: Sequence[Any], width: int) -> dict[str, np.ndarray]:
 
 
 def make_sft_step(model_config: Any, train_cfg: ml_collections.ConfigDict) -> Callable:
-  """`step(state, batch) -> (state, loss)`: one AdamW step on token-mean cross-entropy.
+  """`step(state, batch) -> (state, loss)`: one optimizer step on token-mean cross-entropy.
+
+    loss = -sum(logp * loss_mask) / max(sum(loss_mask), 1)
+
+  The optimizer is `rlx.train.make_optimizer(train_cfg)`: AdamW after
+  global-norm clipping at `train_cfg.max_grad_norm` (0 = no clipping; the
+  warm-up sets it from `config.warmup.max_grad_norm`). The state is a
+  `rlx.train.create_train_state` state (params and optimizer state sharded
+  as the RL train state), the batch is placed by `rlx.train.shard_batch`, and
+  the differentiated forward is unrolled by the train step's rule
+  (`train_cfg.unroll_max_layers`).
+
+  Why this is not `rlx.train.make_train_step` with a cross-entropy loss: that
+  step's objective is a policy loss of `(logp, old_logp, advantages, mask)`
+  and its batch must carry `old_logp` and `advantages` (host-checked), so
+  cross-entropy would be a registered loss ignoring two all-zero inputs; more
+  to the point, it compiles a different program: the update runs inside
+  `lax.scan`s over epochs, mini-batches and micro-batches with a float32
+  gradient accumulator, a non-finite guard (`where(finite, new, old)`), the
+  explicit FSDP all-gather of `gather_fsdp_params` and sharding constraints.
+  Its float rounding differs from this step's (on one CPU device with the
+  tiny arithmetic config the first step's loss differs in the last bit and
+  the params by ~1e-7 after one step; with an FSDP axis of 2 the logged
+  losses differ), and a warm-up's results must stay what they were: a warm-up
+  is identified by `rlx.rl.warmup_key` and reused by other runs
+  (`warmup.init_from`) and by resumed ones. What the train step has and this
+  one lacks: micro-batching (one forward/backward per `warmup.batch_size`
+  batch; lower it to save memory), per-layer FSDP gathering, and skipping a
+  non-finite update.
 
   Cached per (model config, train config), so repeated warm-ups in one
   process compile once.
@@ -120,7 +148,8 @@ def supervised_warmup(
     model_config: the `rlx.policy.ModelConfig`.
     mesh: the `rlx.train` mesh.
     task: the task (its train split's `target_ids` are the labels).
-    config: the RL config (`warmup` section read).
+    config: the RL config (`warmup` section read: learning_rate, max_grad_norm,
+      batch_size, eval_every, max_steps, target_dev_accuracy, on_cap).
     evaluate: params -> dev greedy accuracy.
     seq_len: the padded sequence width (max_prompt_len + max_new_tokens).
     seed: seed of the warm-up data order.
@@ -136,7 +165,7 @@ def supervised_warmup(
   w = config.warmup
   cfg = train.get_config()
   cfg.optimizer.learning_rate = float(w.learning_rate)
-  cfg.max_grad_norm = 1.0
+  cfg.max_grad_norm = float(w.max_grad_norm)
   state = train.create_train_state(params, model_config, cfg, mesh, rng=jax.random.PRNGKey(seed))
   jitted = make_sft_step(model_config, cfg)
   step_fn = wrap_step(jitted)
