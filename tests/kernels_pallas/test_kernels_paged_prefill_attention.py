@@ -128,3 +128,58 @@ def test_bad_inputs_name_the_argument():
     paged_prefill_attention_reference(
       q, k, v, k_pages, v_pages, start, num_new, table, sm_scale="1", **kw
     )
+
+
+def _dense_by_hand(q, pools, scales, start, num_new, table, sm_scale):
+  """float64 attention of every chunk query, one (row, query) at a time, from written pages.
+
+  `pools` hold the chunk too (`write_kv_pages`). Query c of row b (position start[b] + c)
+  sees positions t < start[b] + min(c + 1, num_new[b]): its cached tokens and the chunk's
+  tokens up to itself (a padding query c >= num_new[b] sees all real ones). Gather them
+  from page table[b, t // page] at slot t % page into dense K/V (times the KV head's
+  scale), then a plain softmax over exactly those keys.
+  """
+  b, c, h, d = q.shape
+  hkv, page_size = pools[0].shape[0], pools[0].shape[2]
+  kp, vp = (np.asarray(p.astype(jnp.float32), np.float64) * s[:, None, None, None]
+            for p, s in zip(pools, scales, strict=True))  # fmt: skip
+  q = np.asarray(q.astype(jnp.float32), np.float64)
+  out = np.zeros((b, c, h, d))
+  for row in range(b):
+    for query in range(c):
+      positions = range(start[row] + min(query + 1, num_new[row]))
+      if not positions:
+        continue  # nothing to attend to: zeros
+      pages = [table[row, t // page_size] for t in positions]
+      slots = [t % page_size for t in positions]
+      keys, values = kp[:, pages, slots], vp[:, pages, slots]  # [Hkv, T, D]
+      for head in range(h):
+        g = head // (h // hkv)
+        logits = sm_scale * keys[g] @ q[row, query, head]
+        p = np.exp(logits - logits.max())
+        out[row, query, head] = (p / p.sum()) @ values[g]
+  return out
+
+
+@pytest.mark.parametrize("dtype, group, page_size, stacked", CASES)
+def test_matches_dense_causal_attention_by_hand(dtype, group, page_size, stacked):
+  """Gather the pages (chunk written) into dense K/V, causal masked softmax: the same output."""
+  args, kw = _inputs(dtype, group, page_size, stacked)
+  q, k, v, k_pages, v_pages, start, num_new, table = args
+  out = paged_prefill_attention(*args, **kw)
+  written = write_kv_pages(k_pages, v_pages, k, v, start, table, num_new=num_new, **kw)
+  layer = kw["layer"] or 0
+  pools = [p[layer] if stacked else p for p in written]
+  scales = [
+    np.broadcast_to(np.asarray(kw.get(name, 1.0), np.float64), (HKV,))
+    for name in ("k_scale", "v_scale")
+  ]
+  want = _dense_by_hand(q, pools, scales, START, NUM_NEW, np.asarray(table), D**-0.5)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=TOLERANCE[dtype], rtol=0)
+  # A query sees no later chunk token: changing the last real token of row 1 leaves its
+  # earlier queries as they were.
+  last = int(NUM_NEW[1]) - 1
+  k2, v2 = k.at[1, last].add(1.0), v.at[1, last].add(1.0)
+  out2 = paged_prefill_attention(q, k2, v2, *args[3:], **kw)
+  np.testing.assert_array_equal(np.asarray(out2[1, :last]), np.asarray(out[1, :last]))
+  assert np.any(np.asarray(out2[1, last]) != np.asarray(out[1, last]))
