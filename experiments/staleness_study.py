@@ -23,7 +23,12 @@ being trained):
   vespo sat      token products (CTPO), through VESPO's gamma kernel on the
   bapo           sequence ratio, SAT's staleness-contracted clip, BAPO's
                  adaptive bounds: each method's own ratio to the sampling policy.
-  m2po           M2PO (https://arxiv.org/abs/2510.01161): the tokens of largest
+  m2po           M2PO (https://arxiv.org/abs/2510.01161) as its public code
+                 computes it: PPO clip of pi / mu with batch-wide radii set by a
+                 second-moment budget 0.04 on the harmful tokens' log-ratios
+                 (rlx.objectives.m2po_loss; floors 0.3 / 0.5, no clip within
+                 the budget).
+  m2po_mask      the paper's masking form: the tokens of largest
                  (log pi_prox / mu)^2 masked until its mean is <= 0.04
                  (rlx.objectives.m2po_mask), and the ratio to the behaviour
                  policy, factored as pi / pi_prox (PPO-clipped) times the
@@ -70,7 +75,8 @@ METHODS = {
   "ppo": {"train.loss": "ppo", "rl.old_logp": "behaviour"},
   "gspo": {"train.loss": "gspo", "rl.old_logp": "behaviour"},
   "ctpo": {"train.loss": "ctpo", "rl.old_logp": "behaviour"},
-  "m2po": {
+  "m2po": {"train.loss": "m2po", "rl.old_logp": "behaviour"},
+  "m2po_mask": {
     "train.loss": "ppo",
     "train.use_m2po": True,
     "train.use_rollout_correction": True,

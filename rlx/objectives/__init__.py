@@ -60,6 +60,9 @@ from rlx.objectives._kl import (
   kl_penalty,
 )
 from rlx.objectives._m2po import (
+  M2poClipBounds,
+  m2po_clip_bounds,
+  m2po_loss,
   m2po_mask,
 )
 from rlx.objectives._median import (
@@ -140,6 +143,9 @@ __all__ = (
   "gspo_loss",
   "KL_KINDS",
   "kl_penalty",
+  "M2poClipBounds",
+  "m2po_clip_bounds",
+  "m2po_loss",
   "m2po_mask",
   "median_advantages",
   "min_prefix_log_ratio",

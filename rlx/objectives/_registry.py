@@ -23,6 +23,7 @@ from rlx.objectives._aspo import aspo_loss
 from rlx.objectives._cispo import cispo_loss
 from rlx.objectives._ctpo import ctpo_loss
 from rlx.objectives._gspo import gspo_loss
+from rlx.objectives._m2po import m2po_loss
 from rlx.objectives._metrics import PolicyLossMetrics
 from rlx.objectives._minpro import minpro_loss
 from rlx.objectives._ppo import ppo_clip_loss
@@ -204,7 +205,7 @@ def _check_outputs(spec: PolicyLossSpec, name: str) -> None:
 
 
 _SPECS: dict[str, PolicyLossSpec] = {}
-_BUILTIN = ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat")
+_BUILTIN = ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat", "m2po")
 
 
 class _View(Mapping):
@@ -331,6 +332,8 @@ for _name, _fn, _kwargs in (
   ("vespo", vespo_loss, {}),
   # SAT's clip_low / clip_high are PPO's nominal radii, which it contracts per token.
   ("sat", sat_loss, {"clip_keywords": _RATIO_CLIPS}),
+  # M2PO sets its own radii from its second-moment budget: no clip keywords.
+  ("m2po", m2po_loss, {}),
 ):
   # Built-ins are tested directly; no abstract trace at import time.
   _SPECS[_name] = policy_loss_spec(_fn, check_outputs=False, **_kwargs)

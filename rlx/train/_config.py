@@ -44,7 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # --- objective ---
   # Policy loss: any key of rlx.objectives.POLICY_LOSS_SPECS: the built-ins
-  # ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat") and any loss
+  # ("ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat", "m2po") and any loss
   # registered with rlx.objectives.register_policy_loss.
   c.loss = "ppo"
   # Keyword hyper-parameters of the loss (clip_low, clip_high, dual_clip, ...);

@@ -31,6 +31,9 @@ PUBLIC = {
   "gspo_loss",
   "KL_KINDS",
   "kl_penalty",
+  "M2poClipBounds",
+  "m2po_clip_bounds",
+  "m2po_loss",
   "m2po_mask",
   "median_advantages",
   "min_prefix_log_ratio",
@@ -93,6 +96,7 @@ def test_registry_is_read_only_and_consistent():
     "aspo",
     "vespo",
     "sat",
+    "m2po",
   }
   assert dict(obj.POLICY_LOSSES) == {k: s.fn for k, s in obj.POLICY_LOSS_SPECS.items()}
   with pytest.raises(TypeError):

@@ -75,7 +75,7 @@ def test_bad_loss_hyper_parameters(name, key, value, match, as_array):
 
 @pytest.mark.parametrize("name", sorted(obj.POLICY_LOSS_SPECS))
 def test_nan_hyper_parameters_are_rejected(name):
-  key = {"sapo": "tau_pos", "vespo": "k_pos"}.get(name, "clip_high")
+  key = {"sapo": "tau_pos", "vespo": "k_pos", "m2po": "m2_budget"}.get(name, "clip_high")
   with pytest.raises(ValueError, match=f"`{key}`.*nan"):
     _loss(name, **{key: jnp.float32(np.nan)})
 

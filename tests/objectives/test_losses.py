@@ -38,13 +38,15 @@ WIDE = {
   "aspo": dict(clip_low=0.5, clip_high=0.5),
   "vespo": dict(),
   "sat": dict(clip_low=0.5, clip_high=0.5),
+  "m2po": dict(),
 }
 # VESPO folds `is_weights` into its sequence ratio instead of multiplying the
 # per-token loss; where a test expects the multiplied form it gets weights 1.
 FOLDS_IS_WEIGHTS = ("vespo",)
 # SAT's tail threshold is the quantile of the batch passed in (the paper's
 # micro-batch quantile), so splitting a batch can change its loss by design.
-BATCH_RELATIVE = ("sat",)
+# M2PO's radii likewise come from the second moment of the batch passed in.
+BATCH_RELATIVE = ("sat", "m2po")
 DEFAULT_AGG = {"gspo": "seq-mean-token-mean"}
 # Non-default values of every float hyper-parameter (and agg_scale), traced under jit.
 TRACED = {
@@ -67,6 +69,7 @@ TRACED = {
   "sat": dict(
     clip_low=0.1, clip_high=0.3, dual_clip=2.0, quantile=0.8, kernel_power=1.5, agg_scale=7.0
   ),
+  "m2po": dict(m2_budget=0.01, min_clip_low=0.2, min_clip_high=0.4, agg_scale=7.0),
 }
 
 
@@ -158,7 +161,8 @@ def assert_metrics_close(test, a, b, **tol):
 class PolicyLossBehaviourTest(chex.TestCase):
   def test_registry(self):
     self.assertEqual(
-      set(NAMES), {"ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat"}
+      set(NAMES),
+      {"ppo", "gspo", "ctpo", "minpro", "cispo", "sapo", "aspo", "vespo", "sat", "m2po"},
     )
     data = make_data(0, pad=0.0)
     args = (data["logp"], data["old_logp"], data["advantages"], data["mask"])

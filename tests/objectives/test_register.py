@@ -25,7 +25,7 @@ def test_registered_loss_appears_everywhere(policy_loss_registry):
   assert obj.POLICY_LOSS_SPECS["my_ppo"] is spec
   assert obj.POLICY_LOSSES["my_ppo"] is my_ppo
   assert obj.get_policy_loss("my_ppo") is my_ppo
-  assert "my_ppo" in obj.POLICY_LOSSES and len(obj.POLICY_LOSSES) == 10
+  assert "my_ppo" in obj.POLICY_LOSSES and len(obj.POLICY_LOSSES) == 11
   assert spec.default_agg == "token-mean" and spec.extra_inputs == () and spec.clip_keywords == ()
   assert spec.hyperparameters() == ("eps",)
   with pytest.raises(TypeError):

@@ -30,8 +30,9 @@ def test_every_cell_is_a_valid_config_with_its_old_logp(study):
   # The ratio to the behaviour policy for the plain objectives; the proximal
   # policy for the decoupled ones (their mask / weight is behaviour -> proximal).
   assert modes["ppo"] == modes["vespo"] == modes["sat"] == "behaviour"
-  assert modes["m2po"] == modes["decoupled_ppo"] == "current" and modes["ppo_ewma"] == "ewma"
-  m2po = study.METHODS["m2po"]
+  assert modes["m2po_mask"] == modes["decoupled_ppo"] == "current" and modes["ppo_ewma"] == "ewma"
+  assert study.METHODS["m2po"] == {"train.loss": "m2po", "rl.old_logp": "behaviour"}
+  m2po = study.METHODS["m2po_mask"]
   assert m2po["train.use_m2po"] and m2po["train.use_rollout_correction"]
   assert m2po["train.rollout_correction_kwargs.truncate"] is None  # M2PO's ratio to mu, whole
 

@@ -207,6 +207,7 @@ _KL_KIND_FOR_LOSS = {
   "aspo": "k3+",
   "vespo": "k1",
   "sat": "k3",
+  "m2po": "abs",
 }
 
 
