@@ -226,10 +226,9 @@ def test_run_trains_each_batch_k_updates_stale(stale_run):
     assert 0.0 < r["offpolicy_ess"] < 1.0
 
 
-def test_killed_run_resumes_equal_to_the_straight_one(stale_run, tmp_path, monkeypatch):
-  """An iteration that dies after the iteration-4 checkpoint; rerun: same records, params, ring."""
-  workdir, config, _ = stale_run
-  killed = str(tmp_path / "killed")
+def _kill_then_resume(config, workdir, monkeypatch):
+  """Runs `config` in `workdir`, killed in its 5th iteration (after the iteration-4
+  checkpoint), then reruns it; returns the rerun's summary."""
   original = rl.Learner.iteration
   calls = []
 
@@ -241,20 +240,32 @@ def test_killed_run_resumes_equal_to_the_straight_one(stale_run, tmp_path, monke
 
   monkeypatch.setattr(rl.Learner, "iteration", dying)
   with pytest.raises(KeyboardInterrupt):
-    rl.run(config, killed)
+    rl.run(config, workdir)
   monkeypatch.setattr(rl.Learner, "iteration", original)
-  summary = rl.run(config, killed)
-  assert summary["resumed_from_iteration"] == 4 and summary["iterations"] == 6
-  assert _records(killed) == _records(workdir)
+  return rl.run(config, workdir)
+
+
+def _final_checkpoints(config, *workdirs):
+  """The last checkpoint (state and extra) of each workdir."""
   task = rl.make_task(config)
   model_config, _ = rl.build_model(config, task)
   mesh = rl.build_mesh(config)
   abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)
   finals = []
-  for w in (workdir, killed):
+  for w in workdirs:
     with train.Checkpointer(os.path.join(w, "checkpoints")) as ckpt:
       finals.append(ckpt.restore(abstract))
-  a, b = finals
+  return finals
+
+
+def test_killed_run_resumes_equal_to_the_straight_one(stale_run, tmp_path, monkeypatch):
+  """An iteration that dies after the iteration-4 checkpoint; rerun: same records, params, ring."""
+  workdir, config, _ = stale_run
+  killed = str(tmp_path / "killed")
+  summary = _kill_then_resume(config, killed, monkeypatch)
+  assert summary["resumed_from_iteration"] == 4 and summary["iterations"] == 6
+  assert _records(killed) == _records(workdir)
+  a, b = _final_checkpoints(config, workdir, killed)
   assert rl_test_utils.params_allclose(a.state.params, b.state.params)
   assert (
     list(a.extra["staleness"]["versions"])
@@ -390,31 +401,9 @@ def test_ewma_run_resumes_equal_to_the_straight_one(tmp_path, monkeypatch):
   assert all(r["offpolicy_k3"] < 1e-6 for r in records)  # the current policy sampled
 
   killed = str(tmp_path / "killed")
-  original = rl.Learner.iteration
-  calls = []
-
-  def dying(self, *args, **kwargs):
-    calls.append(1)
-    if len(calls) == 5:
-      raise KeyboardInterrupt("killed")
-    return original(self, *args, **kwargs)
-
-  monkeypatch.setattr(rl.Learner, "iteration", dying)
-  with pytest.raises(KeyboardInterrupt):
-    rl.run(config, killed)
-  monkeypatch.setattr(rl.Learner, "iteration", original)
-  assert rl.run(config, killed)["resumed_from_iteration"] == 4
+  assert _kill_then_resume(config, killed, monkeypatch)["resumed_from_iteration"] == 4
   assert _records(killed) == _records(straight)
-  task = rl.make_task(config)
-  model_config, _ = rl.build_model(config, task)
-  abstract = train.abstract_train_state(
-    model_config, rl.train_config(config), rl.build_mesh(config)
-  )
-  finals = []
-  for w in (straight, killed):
-    with train.Checkpointer(os.path.join(w, "checkpoints")) as ckpt:
-      finals.append(ckpt.restore(abstract))
-  a, b = finals
+  a, b = _final_checkpoints(config, straight, killed)
   assert a.extra["proximal"]["total_weight"] == b.extra["proximal"]["total_weight"]
   assert rl_test_utils.params_allclose(a.extra["proximal"]["params"], b.extra["proximal"]["params"])
   assert not rl_test_utils.params_allclose(a.extra["proximal"]["params"], a.state.params)
