@@ -216,7 +216,7 @@ class ProximalEwma:
     self.total_weight = 1.0
     self.params = None
     self._put = put
-    self._update = jax.jit(_ewma_update, donate_argnums=(0,))
+    self._update = None  # jitted at the first update, out_shardings = the average's
 
   def select(self, params: Any) -> Any:
     """The proximal params; the first call starts the average at a copy of `params`."""
@@ -232,6 +232,9 @@ class ProximalEwma:
       return
     new_total = self.decay * self.total_weight + 1.0
     keep = jnp.float32(self.decay * self.total_weight / new_total)
+    if self._update is None:  # keep the params' layout (jit would pick its own otherwise)
+      shardings = jax.tree.map(lambda x: x.sharding, self.params)
+      self._update = jax.jit(_ewma_update, donate_argnums=(0,), out_shardings=shardings)
     self.params = self._update(self.params, params, keep, jnp.float32(1.0 / new_total))
     self.total_weight = new_total
 
@@ -253,6 +256,7 @@ class ProximalEwma:
       raise ValueError("`put` is needed to restore the proximal params onto the device.")
     self.params = self._put(state["params"])
     self.total_weight = float(np.asarray(state["total_weight"]))
+    self._update = None
 
 
 def _ewma_update(avg: Any, params: Any, keep: jax.Array, new: jax.Array) -> Any:

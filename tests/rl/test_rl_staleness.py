@@ -112,6 +112,40 @@ def test_held_version_keeps_the_params_sharding(devices):
   assert rl_test_utils.params_allclose(restored, expected)
 
 
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_proximal_ewma_keeps_the_params_sharding_and_never_donates_the_callers(devices):
+  model_config = policy.ModelConfig.small(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    intermediate_size=64,
+  )
+  mesh = train.make_mesh(-1, 1, 1, devices=jax.devices()[:devices])
+
+  def put(t):
+    return train.shard_params(t, model_config, mesh)
+
+  first = put(policy.init_params(model_config, jax.random.PRNGKey(0)))
+  second = put(policy.init_params(model_config, jax.random.PRNGKey(1)))
+  shardings = jax.tree.map(lambda x: x.sharding, first)
+  a, b = jax.tree.map(np.asarray, first), jax.tree.map(np.asarray, second)
+  ewma = rl.ProximalEwma(0.5, put=put)
+  ewma.select(first)
+  jax.tree.map(lambda x: x.delete(), first)  # the average is a copy: the live params may go
+  ewma.update(second)  # donates the average's old buffers, never the caller's
+  assert rl_test_utils.params_allclose(second, b)
+  expected = jax.tree.map(lambda x, y: (0.5 * x + y) / 1.5, a, b)
+  assert jax.tree.map(lambda x: x.sharding, ewma.params) == shardings
+  assert rl_test_utils.params_allclose(ewma.params, expected, atol=1e-6)
+  again = rl.ProximalEwma(0.5, put=put)
+  again.load_state_dict(ewma.state_dict())
+  assert jax.tree.map(lambda x: x.sharding, again.params) == shardings
+  assert rl_test_utils.params_allclose(again.params, expected, atol=1e-6)
+
+
 @pytest.mark.parametrize(
   "kwargs,match",
   [
