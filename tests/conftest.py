@@ -5,17 +5,34 @@ sharding tests can build real meshes on a CPU-only machine. Single-device
 tests are unaffected (they use the default device). The tokenizer fixtures
 write a tiny HF tokenizer directory (byte-level BPE, chat template) in the
 test: no download.
+
+JAX's persistent compilation cache is on for the session, in one temporary
+directory shared by the pytest-xdist workers (removed at the end): a program
+that several tests (or workers) build from separate `jax.jit` objects is
+compiled once and then loaded. Subprocesses started by tests do not inherit it.
+`RLX_TEST_JAX_CACHE=0` turns it off.
 """
 
 import json
 import os
+import shutil
+import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest  # noqa: E402 (after the XLA flags)
+# The session's compilation cache: created by the first process (the xdist
+# controller, or the only process), inherited by the workers it starts.
+_CACHE_ENV = "RLX_TEST_JAX_CACHE_DIR"
+_CACHE_OWNER = None
+if os.environ.get("RLX_TEST_JAX_CACHE", "1") != "0":
+  if not os.environ.get(_CACHE_ENV):
+    os.environ[_CACHE_ENV] = _CACHE_OWNER = tempfile.mkdtemp(prefix="rlx-test-jax-cache-")
+
+import jax  # noqa: E402 (after the XLA flags)
+import pytest  # noqa: E402
 import tokenizers  # noqa: E402
 from tokenizers import models, pre_tokenizers, trainers  # noqa: E402
 
@@ -24,6 +41,17 @@ CHAT_TEMPLATE = (
   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+if os.environ.get(_CACHE_ENV):
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  del config
+  if _CACHE_OWNER is not None:
+    shutil.rmtree(_CACHE_OWNER, ignore_errors=True)
 
 
 def _write_tokenizer(directory, *, chat_template=CHAT_TEMPLATE):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -276,6 +277,11 @@ def _kill_then_resume(config, workdir, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     rl.run(config, workdir)
   monkeypatch.setattr(rl.Learner, "iteration", original)
+  # The asynchronous save of step 4 finishes in the background (the interrupted
+  # run does not wait for it); a quick restart could otherwise find only step 2.
+  deadline = time.time() + 60
+  while "4" not in os.listdir(os.path.join(workdir, "checkpoints")) and time.time() < deadline:
+    time.sleep(0.1)
   return rl.run(config, workdir)
 
 
