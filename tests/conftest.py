@@ -2,7 +2,9 @@
 
 Eight fake CPU devices are requested before JAX is imported anywhere, so the
 sharding tests can build real meshes on a CPU-only machine. Single-device
-tests are unaffected (they use the default device). The tokenizer fixtures
+tests are unaffected (they use the default device). `$RLX_TEST_XLA_FLAGS`
+(default: LLVM at -O0, for faster compiles) is added too; subprocess tests
+that set their own XLA_FLAGS add it to theirs. The tokenizer fixtures
 write a tiny HF tokenizer directory (byte-level BPE, chat template) in the
 test: no download.
 
@@ -19,8 +21,13 @@ import shutil
 import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# Faster compiles for the tests (and the subprocesses that pass it on):
+# LLVM at -O0 roughly halves XLA:CPU's compile of a train step, and the tiny
+# test programs run about as fast. `RLX_TEST_XLA_FLAGS=""` turns it off.
+os.environ.setdefault("RLX_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+for _flag in (_FLAG, *os.environ["RLX_TEST_XLA_FLAGS"].split()):
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The session's compilation cache: created by the first process (the xdist

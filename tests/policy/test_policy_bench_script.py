@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_bench_logprobs_main_runs(tmp_path):
   out = tmp_path / "table.md"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("RLX_TEST_XLA_FLAGS", ""))
   result = subprocess.run(
     [
       sys.executable,

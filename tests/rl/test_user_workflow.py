@@ -47,7 +47,7 @@ def _user_files(directory):
 
 
 def _run(args, cwd, timeout=600):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("RLX_TEST_XLA_FLAGS", ""))
   return subprocess.run(
     [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
   )

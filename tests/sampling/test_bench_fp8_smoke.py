@@ -13,7 +13,7 @@ def test_bench_fp8_smoke(tmp_path):
   out = tmp_path / "table.md"
   proc = subprocess.run(
     [sys.executable, os.path.join(ROOT, "experiments", "bench_fp8.py"), "--smoke", f"--out={out}"],
-    env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+    env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("RLX_TEST_XLA_FLAGS", "")),
     capture_output=True,
     text=True,
     timeout=600,

@@ -37,7 +37,7 @@ def _run(args, tmp_path, hide_tunix=False):
     + f"sys.argv = {[SCRIPT, *args, f'--out={out}']!r}\n"
     + f"runpy.run_path({SCRIPT!r}, run_name='__main__')\n"
   )
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("RLX_TEST_XLA_FLAGS", ""))
   proc = subprocess.run(
     [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
   )

@@ -14,7 +14,9 @@ import sys
 import warnings
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+  "--xla_force_host_platform_device_count=8 " + os.environ.get("RLX_TEST_XLA_FLAGS", "")
+).strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_testlib as tl  # noqa: E402

@@ -10,7 +10,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (
+  "--xla_force_host_platform_device_count=2 " + os.environ.get("RLX_TEST_XLA_FLAGS", "")
+).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

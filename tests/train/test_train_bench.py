@@ -10,7 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_bench_train_step_runs_and_prints_the_table(tmp_path):
   out = tmp_path / "table.md"
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  env["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=2 " + os.environ.get("RLX_TEST_XLA_FLAGS", "")
+  ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
     [

@@ -20,7 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _worker_env():
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=8 " + os.environ.get("RLX_TEST_XLA_FLAGS", "")
+  ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   return env
 

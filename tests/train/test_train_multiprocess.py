@@ -24,7 +24,9 @@ def test_two_processes_match_one_process(tmp_path):
   steps = 2
   port = _free_port()
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  env["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=2 " + os.environ.get("RLX_TEST_XLA_FLAGS", "")
+  ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   procs = [
     subprocess.Popen(
