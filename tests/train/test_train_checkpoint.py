@@ -188,7 +188,9 @@ def test_a_broken_step_warns_with_the_array_and_without_asyncio_noise(tmp_path):
   assert len(unreadable) == 6, proc.stdout
   for message in unreadable:
     # The innermost error: the array's path and what is wrong with its file.
-    assert re.search(r"array `(params|opt_state)\.[\w.]+`: ValueError: OUT_OF_RANGE", message)
+    assert re.search(r"array `(params|opt_state)\.[\w.]+`: ValueError: OUT_OF_RANGE", message), (
+      message
+    )  # the whole message: pytest truncates the one-line warning
     assert "Requested byte range" in message and "local file" not in message
     assert "Encountered error while reading" not in message and "tensorstore_spec" not in message
   assert "Event loop is closed" not in proc.stderr, proc.stderr[-4000:]
