@@ -3,7 +3,7 @@ r"""Default experiment: GRPO on reversed-digit 3-digit addition, tiny model, CPU
   python experiments/train_rl.py --config=experiments/configs/arithmetic.py \
       --workdir=/tmp/rlx_arithmetic
 
-A fresh ~100k-parameter Qwen2-style model (2 layers, width 64) gets a short
+A fresh ~100k-parameter Qwen3-style model (2 layers, width 64) gets a short
 supervised warm-up on the gold answers until 30% dev greedy accuracy, then
 learns from the exact-match reward alone (GRPO: 64 prompts x G = 8 samples per
 iteration). Supervised training alone could also solve this task: the point is
@@ -19,10 +19,20 @@ def get_config():
   # Task: "<bos>042+917=" -> "9590<eos>" (answers reversed, fixed width).
   c.task.name = "arithmetic"
   c.task.arithmetic.num_digits = 3
-  c.task.arithmetic.train_size = 5000
+  # 50,000 training problems (5% of the 10^6 operand pairs): the warm-up sees
+  # each about once (0.5 epochs) instead of 5-7 times with 5,000. On seeds 0-4
+  # the RL result is about the same either way (-1.5 +/- 6.6 points paired,
+  # main_job_ablation_model_data.md in experiments/results/).
+  c.task.arithmetic.train_size = 50000
   c.task.arithmetic.dev_size = 200
   c.task.arithmetic.test_size = 500
-  # Model: ModelConfig.small sizes (2 layers, width 64, 4 heads / 2 KV heads).
+  # Model: ModelConfig.small sizes (2 layers, width 64, 4 heads / 2 KV heads),
+  # Qwen3-style: per-head RMSNorm on queries and keys (QK-norm), no QKV bias.
+  # The Qwen2-style model (QKV bias, no QK-norm) and the Llama-style one (no bias)
+  # needed a seed-dependent 230 to 2,426 warm-up steps (a loss plateau, then a
+  # quick rise); with QK-norm the warm-up reached its target in 156-318 steps on
+  # the same seeds (warmup_generalization.md), so a whole run fits in a minute.
+  c.model.family = "qwen3"
   c.model.hidden_size = 64
   c.model.num_layers = 2
   c.model.intermediate_size = 192
@@ -43,7 +53,7 @@ def get_config():
   c.train.optimizer.schedule = "warmup_cosine"
   c.train.optimizer.warmup_steps = 10
   # decay_steps = 0 (rl.get_config's default): the run's total updates,
-  # rl.iterations x mini_batches = 200 here.
+  # rl.iterations x mini_batches = 400 here.
   c.train.optimizer.end_lr_ratio = 0.1
   c.train.max_grad_norm = 1.0
   # Two optimizer updates per rollout batch (PPO mini-batches of 256 rows; the
@@ -60,7 +70,9 @@ def get_config():
   c.rl.baseline = "grpo"  # grpo | drgrpo | rloo | median
   c.rl.num_samples = 8  # G
   c.rl.prompts_per_iteration = 64
-  c.rl.iterations = 100
+  # 200 iterations: at 100, seeds 2, 4 and 7 gained +22.0, +39.4 and +39.8
+  # points (main_job_ablation_iterations_qwen3.md); an iteration takes ~0.11 s.
+  c.rl.iterations = 200
   # Rollout temperature (also the trainer's: train.temperature = 0). The
   # warmed-up policy is flat (per-token entropy ~0.7 nats at T = 0.5 at 30%
   # greedy accuracy; ~9% of T = 0.5 samples are right), so at T = 1.0 (or 0.7)
@@ -74,9 +86,9 @@ def get_config():
   c.rl.max_time_s = 0.0
   # Warm-up: stop at 30% dev greedy accuracy (safety cap in steps).
   c.warmup.target_dev_accuracy = 0.3
-  c.warmup.learning_rate = 5e-4
+  c.warmup.learning_rate = 1e-3
   c.warmup.batch_size = 128
-  c.warmup.eval_every = 5  # often: accuracy rises steeply once it starts
+  c.warmup.eval_every = 2  # often: near the target the dev accuracy rises steeply
   c.warmup.max_steps = 3000
   # Evaluation: dev every 20 iterations, the whole test split before / after.
   c.eval.every = 20
