@@ -865,6 +865,9 @@ def _profile_table() -> list[str]:
     env["XLA_FLAGS"] = (
       env.get("XLA_FLAGS", "") + f" --xla_dump_to={out_dir}/hlo --xla_dump_hlo_as_text"
     ).strip()
+    # The op names come from the HLO dump, which only a compile writes: a program read
+    # back from a persistent compilation cache ($JAX_COMPILATION_CACHE_DIR) has none.
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     args = [a for a in sys.argv[1:] if not a.startswith(("--tables", "--out"))]
     proc = subprocess.run(
       [sys.executable, os.path.abspath(__file__), *args, f"--profile_child={out_dir}"],

@@ -79,13 +79,9 @@ def test_sigkill_mid_run_resumes_and_equals_straight(straight, tmp_path):
     f"--workdir={killed}",
     "--config.log.plots=True",
   ]
-  env = dict(
-    os.environ,
-    # The restarted process reuses the first one's compiled programs.
-    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-  )
+  # The restarted process reuses the first one's compiled programs (from the
+  # session's compilation cache, which tests/conftest.py hands to subprocesses).
+  env = dict(os.environ)
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   ckpt_dir = os.path.join(killed, "checkpoints")
   deadline = time.time() + 300
