@@ -53,6 +53,7 @@ from rlx.sampling._scheduler import (
   prefill_width,
 )
 from rlx.sampling._scheduler import prefill_compile_bound as prefill_compile_bound
+from rlx.sampling._scheduler import prefill_rows as prefill_rows
 from rlx.sampling._scheduler import prefill_widths as prefill_widths
 
 
@@ -177,15 +178,15 @@ class Sampler:
 
     Args:
       params: the policy params, or their `jax.eval_shape` (abstract leaves).
-      kv_scales: as in `generate` (required for FP8 KV).
+      kv_scales: as in `generate` (required for FP8 KV); arrays or
+        `jax.ShapeDtypeStruct`s.
 
     Returns:
       A `jax.stages.Traced`.
     """
     cfg, eng = self.config, self._engine
     S, P = cfg.max_slots, cfg.num_pages
-    params = jax.eval_shape(lambda p: quantize_params(p, cfg), params)  # abstract, as run
-    pool = jax.eval_shape(lambda: eng.empty_pool(P))
+    params, pool = self._abstract_params_and_pool(params)
     pages = PageState(
       page_table=np.zeros((S, eng.pages_per_sequence), np.int32),
       refcount=np.zeros((P,), np.int32),
@@ -193,11 +194,92 @@ class Sampler:
       num_free=np.int32(P),
     )
     slots = empty_slots(S, cfg.max_new_tokens)
-    k_scale, v_scale = self._kv_scales(kv_scales)
+    page_sh, slot_sh = eng.state_shardings()
+    if page_sh is not None:  # placed as `generate` places them
+      pages, slots = (
+        jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh), t, s)
+        for t, s in ((pages, page_sh), (slots, slot_sh))
+      )
+    k_scale, v_scale = self._traced_kv_scales(kv_scales)
     knobs = self._knobs(cfg.steps_per_sync, S + 1)
     return eng.decode.trace(
       params, pool, pages, slots, jax.random.key(0), k_scale, v_scale, knobs, allocate=True
     )
+
+  def trace_prefill(
+    self,
+    params: policy.Params,
+    *,
+    rows: int | None = None,
+    width: int | None = None,
+    kv_scales: tuple[Any, Any] | None = None,
+  ) -> jax.stages.Traced:
+    """A prefill call of `generate`, traced (nothing runs); like `trace_decode`.
+
+    `generate` runs prefill in calls of `rows` rows x `width` tokens
+    (`rlx.sampling.scheduling.prefill_calls`): rows a power of two between 8
+    and `max_slots` rounded up to one, width one of
+    `rlx.sampling.scheduling.prefill_widths(prefill_chunk)`. The defaults are
+    the widest call, every slot admitted at once with a full chunk each.
+
+    Args:
+      params: the policy params, or their `jax.eval_shape` (abstract leaves).
+      rows: B, rows of the call (default: `max_slots` rounded up to a power of two).
+      width: W, tokens per row (default: `prefill_chunk`).
+      kv_scales: as in `generate` (required for FP8 KV); arrays or
+        `jax.ShapeDtypeStruct`s.
+
+    Returns:
+      A `jax.stages.Traced` of `prefill(params, pool, tokens i32[B, W], start
+      i32[B], num_new i32[B], page_table i32[B, pages_per_sequence], k_scale,
+      v_scale) -> pool` (the pool donated).
+
+    Raises:
+      ValueError: `rows` or `width` that no prefill call of this sampler uses.
+    """
+    cfg, eng = self.config, self._engine
+    widest = prefill_rows(cfg.max_slots)
+    rows = widest[-1] if rows is None else rows
+    width = cfg.prefill_chunk if width is None else width
+    if rows not in widest:
+      raise ValueError(f"`rows` must be one of the prefill row buckets {widest}, got {rows!r}.")
+    widths = prefill_widths(cfg.prefill_chunk)
+    if width not in widths:
+      raise ValueError(f"`width` must be one of the prefill widths {widths}, got {width!r}.")
+    params, pool = self._abstract_params_and_pool(params)
+    ints = np.zeros((rows,), np.int32)
+    table = np.zeros((rows, eng.pages_per_sequence), np.int32)
+    k_scale, v_scale = self._traced_kv_scales(kv_scales)
+    tokens = np.zeros((rows, width), np.int32)
+    return eng.prefill.trace(params, pool, tokens, ints, ints, table, k_scale, v_scale)
+
+  def _abstract_params_and_pool(self, params):
+    """Abstract run params (`quantize_params`) and page pool, with the shardings of a run.
+
+    Leaves that `quantize_params` passes through keep the caller's sharding (e.g. the
+    train state's, or FP8 params placed by `rlx.policy.param_shardings`); the pool gets
+    the engine's pool sharding.
+    """
+    cfg, eng = self.config, self._engine
+    run = jax.eval_shape(lambda p: quantize_params(p, cfg), params)
+    if jax.tree.structure(run) == jax.tree.structure(params):
+      run = jax.tree.map(
+        lambda r, p: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=getattr(p, "sharding", None)),
+        run,
+        params,
+      )
+    pool = jax.eval_shape(lambda: eng.empty_pool(cfg.num_pages))
+    sharding = eng.pool_sharding()
+    pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), pool)
+    return run, pool
+
+  def _traced_kv_scales(self, kv_scales):
+    """`_kv_scales` that also takes `jax.ShapeDtypeStruct` scales (returns abstract ones)."""
+    if isinstance(kv_scales, tuple | list) and any(
+      isinstance(s, jax.ShapeDtypeStruct) for s in kv_scales
+    ):
+      return jax.eval_shape(self._kv_scales, tuple(kv_scales))
+    return self._kv_scales(kv_scales)
 
   def _knobs(self, max_steps: int, exit_after: int):
     """This sampler's (not the shared engine's) traced sampling knobs."""

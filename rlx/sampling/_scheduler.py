@@ -76,6 +76,16 @@ def prefill_width(piece: int, prefill_chunk: int) -> int:
   return next(w for w in prefill_widths(prefill_chunk) if w >= min(piece, prefill_chunk))
 
 
+def prefill_rows(max_slots: int) -> tuple[int, ...]:
+  """The prefill call row counts (row buckets) of a sampler with `max_slots` slots, ascending."""
+  top = _next_pow2(max_slots)
+  rows, b = [], min(_MIN_PREFILL_ROWS, top)
+  while b < top:
+    rows.append(b)
+    b *= 2
+  return (*rows, top)
+
+
 def prefill_compile_bound(config: SamplerConfig) -> int:
   """Most prefill compiles of one sampler: width buckets x row buckets."""
   rows = 1 + max(0, math.ceil(math.log2(config.max_slots / _MIN_PREFILL_ROWS)))

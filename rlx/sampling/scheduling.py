@@ -21,7 +21,8 @@ The device state is three NamedTuples (static shapes; S slots, P pages):
 i32[P], num_free i32[]), `SlotState` (per-slot decode state, `empty_slots`) and
 `LoopInfo` (what one decode window did). Prefill compiles at most
 `prefill_compile_bound(config)` times per sampler: its call widths are
-`prefill_widths(prefill_chunk)` (`prefill_width` picks one).
+`prefill_widths(prefill_chunk)` (`prefill_width` picks one), its row counts
+`prefill_rows(max_slots)`.
 """
 
 from rlx.sampling._engine import (
@@ -41,6 +42,7 @@ from rlx.sampling._scheduler import (
   Scheduler,
   prefill_calls,
   prefill_compile_bound,
+  prefill_rows,
   prefill_width,
   prefill_widths,
 )
@@ -58,6 +60,7 @@ __all__ = (
   "empty_slots",
   "prefill_calls",
   "prefill_compile_bound",
+  "prefill_rows",
   "prefill_width",
   "prefill_widths",
 )

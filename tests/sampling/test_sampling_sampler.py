@@ -182,6 +182,32 @@ def test_prefill_width_follows_the_prompts(params):
   assert wide.compile_counts()["prefill"] == 2 <= scheduling.prefill_compile_bound(wide.config)
 
 
+def test_trace_prefill_is_the_program_generate_runs(params):
+  cfg = dataclasses.replace(BASE, kv_dtype="fp8_e4m3", max_slots=8)
+  sampler = sampling.Sampler(MODEL, cfg)
+  shape = (MODEL.num_layers, MODEL.num_kv_heads)
+  ones = np.ones(shape, np.float32)
+  calls = []
+  prefill = sampler._engine.prefill
+  sampler._engine.prefill = lambda *a: calls.append(a) or prefill(*a)  # spy on the arguments
+  try:  # 8 rows of 9 prefilled tokens: calls (8 rows, 8 tokens), then (8 rows, 1 -> 8 tokens)
+    sampler.generate(params, [list(range(1, 11))] * 8, rng=jax.random.key(0), kv_scales=(ones,) * 2)
+  finally:
+    sampler._engine.prefill = prefill
+  avals = [(tuple(np.shape(x)), jnp.result_type(x)) for x in jax.tree.leaves(calls[0])]
+  scales = (jax.ShapeDtypeStruct(shape, jnp.float32),) * 2  # abstract scales are accepted
+  abstract = jax.eval_shape(lambda: params)
+  # Every slot admitted with a full chunk: the widest call, (8 rows, prefill_chunk tokens).
+  traced = sampler.trace_prefill(abstract, kv_scales=scales)
+  assert [(a.shape, a.dtype) for a in traced.jaxpr.in_avals] == avals
+  assert traced.lower().compile().memory_analysis() is not None
+  sampler.trace_decode(abstract, kv_scales=scales).lower()
+  with pytest.raises(ValueError, match="`rows` must be one of the prefill row buckets"):
+    sampler.trace_prefill(abstract, rows=4, kv_scales=scales)
+  with pytest.raises(ValueError, match="`width` must be one of the prefill widths"):
+    sampler.trace_prefill(abstract, width=5, kv_scales=scales)
+
+
 def test_prefix_sharing_holds_prompt_pages_once(params):
   # m = 9 prefilled prompt tokens = 2 full pages + 1 partial; decode writes positions 9..16.
   prompt = [[5, 1, 2, 3, 4, 5, 6, 7, 8, 9]]

@@ -26,6 +26,7 @@ from rlx.sampling.scheduling import (
   copy_plan,
   prefill_calls,
   prefill_compile_bound,
+  prefill_rows,
   prefill_widths,
 )
 
@@ -141,6 +142,7 @@ def _run(config, requests, prompts, stop_when=None):
       )
       for call in calls:
         assert call.tokens.shape[1] in prefill_widths(config.prefill_chunk)
+        assert call.tokens.shape[0] in prefill_rows(config.max_slots)
         eng.prefill(call.tokens, call.start, call.num_new, call.page_table)
         sched.stats["prefill_tokens"] += int(call.num_new.sum())
       if copies:
@@ -370,3 +372,5 @@ def test_prefill_calls_bucket_rows_and_widths():
   wide = prefill_calls(rows[:1], prefill_chunk=32, max_slots=2, pages_per_sequence=5)
   assert [c.tokens.shape for c in wide] == [(2, 8)]  # rows: min(8, next_pow2(S))
   assert prefill_compile_bound(dataclasses.replace(CFG, max_slots=32, prefill_chunk=32)) == 9
+  assert prefill_rows(2) == (2,) and prefill_rows(5) == (8,) and prefill_rows(32) == (8, 16, 32)
+  assert prefill_rows(33) == (8, 16, 32, 64)  # the largest bucket: max_slots rounded up
