@@ -1,11 +1,34 @@
 r"""Compiles rlx programs for TPU slices on a CPU-only machine: fits, memory, roofline.
 
 For each program x model x topology, the program is built through the public API
-(`rlx.train.make_train_step`, `rlx.train.make_compute_logprobs`) on a mesh over
-the compile-only devices of `jax.experimental.topologies.get_topology_desc`
-(libtpu, `pip install -e ".[tpu]"`; no chips), traced with abstract sharded
-params / state / batch (`jax.ShapeDtypeStruct`, no weights) and compiled by the
-real TPU compiler (https://docs.jax.dev/en/latest/aot.html). Reported:
+as `rlx.rl.run` builds it, on a mesh over the compile-only devices of
+`jax.experimental.topologies.get_topology_desc` (libtpu, `pip install -e ".[tpu]"`;
+no chips), traced with abstract sharded params / state / batch
+(`jax.ShapeDtypeStruct`, no weights) and compiled by the real TPU compiler
+(https://docs.jax.dev/en/latest/aot.html). Programs:
+
+  train_step, compute_logprobs   `rlx.train.make_train_step` / `make_compute_logprobs`
+                                 on `rl.train_config(config)`;
+  prefill, decode                the sampler's two jitted programs of a `generate`
+                                 call (`rl.make_sampler(rl.sampler_kwargs(...))`,
+                                 `Sampler.trace_prefill` (the widest call) /
+                                 `Sampler.trace_decode` (one window of
+                                 steps_per_sync steps)), on the config's bf16 KV
+                                 pages; `_fp8kv`: FP8 (e4m3) KV pages; `_fp8`: rlx's
+                                 FP8 rollout, W8A8 decoder linears + FP8 KV, the
+                                 params quantized and placed as `rl.Fp8Refresh` does;
+  fp8_matmul <linears>           `kernels_pallas.fp8_blockwise_matmul` at each decoder
+                                 linear's (K, N), M = the decode slots, per chip in a
+                                 `shard_map` (rows over the batch axes);
+  rl_step                        `rl.make_rl_step`: sampling (`Sampler.generate_fn`),
+                                 JAX reward, advantages, log-probs and the train step
+                                 in one program; every row needs a slot, so the
+                                 sampler is sized by rlx's defaults (max_slots = rows,
+                                 num_pages = rows x pages per sequence).
+
+The sampler and the fused step take the task's lengths and stop token from
+`ShapesTask` (GSM8K's prompt / answer lengths, the checkpoint's EOS; a JAX
+exact-match reward, since GSM8K's numeric check runs on the host). Reported:
 
   status        "ok", or the compiler's error, shortened (e.g. out of HBM);
   compile s     wall time of lower + compile on this host;
@@ -13,30 +36,45 @@ real TPU compiler (https://docs.jax.dev/en/latest/aot.html). Reported:
                 outputs, temporaries, aliased (donated inputs reused as
                 outputs), and in use = arguments + outputs - aliased +
                 temporaries + code, against the chip's capacity;
-  roofline ms   analytic lower bound on the step time of one chip,
+  donated       per-chip bytes of the state the program updates in place (train
+                state; K/V page pools), logical, before the TPU layout's tile
+                padding (aliased bytes include it);
+  Mosaic        Pallas TPU (Mosaic) kernel calls in the lowered StableHLO;
+  roofline ms   analytic lower bound on the time of one call on one chip,
                 max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the model
-                dimensions (below) and the chip's published peaks;
-  tokens/s      B * S / roofline time (every processed position, as
-                experiments/bench_train_step.py counts them): an upper bound.
+                dimensions (below) and the chip's published peaks (bf16 peak for
+                the FP8 matmul too: its TPU kernel multiplies in bf16);
+  tokens/s      tokens of one call / roofline time: B * S for the train
+                programs (every processed position, as
+                experiments/bench_train_step.py counts them), the slots for a
+                decode step, B x W for a prefill call: an upper bound.
 
 FLOPs (matmuls only; N = L * (D * Dh * (2 H + 2 Hkv) + 3 D I) + V * D, the
-weights a token multiplies through, LM head included; attention counted over
-the full S x S score matrix):
-  forward per token   2 N + 4 L H Dh S
+weights a token multiplies through, LM head included):
+  forward per token   2 N + 4 L H Dh C, C = positions attended (S for training)
   train step          (3 + remat) x forward, per token of each PPO epoch
   compute_logprobs    1 x forward
+  decode step         slots per chip x forward at C = prompt + max_new / 2
+  prefill call        B x W tokens per chip x forward at C = prompt / 2
+  fp8 matmul          2 M K N per chip
+  rl_step             every row's prefill and max_new decode steps, then
+                      compute_logprobs and the train step
 Bytes per chip (HBM traffic lower bound; activations not counted): every pass
 (forward, backward, recomputed forward) of a micro-batch streams the gathered
 weights once (tensor = 1), each micro-batch reads and writes this chip's
 gradient shard, and each optimizer update reads params, gradient and optimizer
-state and writes params and optimizer state (this chip's shards). XLA's
-`cost_analysis()` is not used: it counts a while-loop body (the layer and
-micro-batch scans) once.
+state and writes params and optimizer state (this chip's shards). A decode step
+or prefill call streams the weights once (FP8 linears: 1 byte per weight) plus
+its slots' K/V: read over C positions (decode), written for the new tokens and
+read over (prompt - W) / 2 cached positions (prefill). XLA's `cost_analysis()`
+is not used: it counts a while-loop body (the layer, micro-batch and decode
+loops) once.
 
 Batch, sequence and mesh follow experiments/configs/gsm8k_hf.py: B =
 prompts_per_iteration x num_samples rows, S = --prompt_len +
 task.gsm8k.max_answer_len, its train config (micro/mini-batches, PPO epochs,
-loss), bf16 params, and mesh fsdp = min(mesh.fsdp, chips), data = the rest.
+loss), its sampler (slots, pages, steps_per_sync), bf16 params, and mesh fsdp =
+min(mesh.fsdp, chips), data = the rest.
 
 Rerun (prints the markdown table; `--out` also writes it):
 
@@ -44,7 +82,7 @@ Rerun (prints the markdown table; `--out` also writes it):
     --topologies=v5e:2x2,v6e:2x4 --models=qwen2.5-0.5b \
     --out=experiments/results/compile_tpu.md
 
-`--smoke` compiles one tiny model on v5e:2x2 (a few seconds).
+`--smoke` compiles one tiny model on v5e:2x2 (a few seconds per program).
 """
 
 import os
@@ -72,11 +110,18 @@ from absl import app, flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from rlx import policy, rl, train  # noqa: E402
+from rlx import kernels_pallas, policy, rl, sampling, tasks, train  # noqa: E402
 
 _CONFIG_PATH = pathlib.Path(__file__).resolve().parent / "configs" / "gsm8k_hf.py"
 
-PROGRAMS = ("train_step", "compute_logprobs")
+PROGRAMS = (
+  "train_step", "compute_logprobs", "prefill", "decode", "prefill_fp8kv", "decode_fp8kv",
+  "prefill_fp8", "decode_fp8", "fp8_matmul", "rl_step",
+)  # fmt: skip
+# Sampler programs' rollout dtypes (`config.rollout.weight_dtype`, `config.rollout.kv_dtype`):
+# the config's bf16 KV pages, FP8 KV pages, and rlx's FP8 rollout (W8A8 linears + FP8 KV).
+ROLLOUT_DTYPES = {"": ("auto", None), "_fp8kv": ("auto", "fp8_e4m3"), "_fp8": ("fp8_e4m3",) * 2}
+_MOSAIC = "tpu_custom_call"  # the custom-call target of a Pallas Mosaic (TPU) kernel
 TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v6e:2x4", "v5p:2x2x1")
 
 # config.json fields of the Hugging Face checkpoints (Qwen/Qwen2.5-*-Instruct, Qwen/Qwen3-8B,
@@ -139,6 +184,7 @@ class Workload:
   seq_len: int
   fsdp: int  # cap on the mesh's fsdp axis (the rest of the chips is data)
   tensor: int
+  answer_len: int  # of the S tokens, the sampler's max_new_tokens (the rest: the prompt)
 
 
 @dataclasses.dataclass
@@ -157,6 +203,9 @@ class Row:
   bytes: float  # per chip per step
   roofline_s: float
   tokens_per_s: float
+  donated: int = 0  # per-chip bytes of the donated inputs (logical, unpadded)
+  mosaic: int = 0  # Mosaic kernel call sites in the lowered program (StableHLO)
+  note: str = ""  # the shapes a row stands for (sampler and matmul programs)
 
 
 def define_flags() -> None:
@@ -187,8 +236,11 @@ def default_config() -> ml_collections.ConfigDict:
 def model_config(name: str, config: ml_collections.ConfigDict) -> policy.ModelConfig:
   """The `ModelConfig` of `HF_CONFIGS[name]` (or "tiny") in the config's dtypes."""
   dtypes = dict(param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
-  if name == "tiny":
-    return policy.ModelConfig.small("qwen2", **dtypes)
+  if name == "tiny":  # 128-wide linears: whole FP8 blocks, as the Qwen shapes have
+    return policy.ModelConfig.small(
+      "qwen2", hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2, head_dim=64,
+      **dtypes,
+    )  # fmt: skip
   if name not in HF_CONFIGS:
     raise ValueError(f"Unknown model {name!r}; choose from {list(HF_CONFIGS)} (or 'tiny').")
   mc = policy.ModelConfig.from_hf_config(HF_CONFIGS[name], **dtypes)
@@ -202,6 +254,7 @@ def workload(config: ml_collections.ConfigDict, prompt_len: int) -> Workload:
     seq_len=int(prompt_len) + int(config.task.gsm8k.max_answer_len),
     fsdp=int(config.mesh.fsdp),
     tensor=int(config.mesh.tensor),
+    answer_len=int(config.task.gsm8k.max_answer_len),
   )
 
 
@@ -263,6 +316,147 @@ def _abstract_batch(mesh, program: str, load: Workload) -> dict:
   return {k: jax.ShapeDtypeStruct(sh, dt, sharding=sharding) for k, (sh, dt) in shapes.items()}
 
 
+class ShapesTask(tasks.Task):
+  """The prompt / answer lengths and stop tokens of a task, without its data.
+
+  What `rlx.rl` builds the sampler (`rl.sampler_kwargs`) and the fused step from.
+  Its reward is token exact match (`rlx.tasks.exact_match`, with `jax_reward`):
+  GSM8K's numeric check runs on the host, and the fused program needs a JAX reward.
+  """
+
+  def __init__(self, max_prompt_len: int, max_answer_len: int, stop_token_ids: tuple[int, ...]):
+    self.name = "gsm8k-shapes"
+    self.tokenizer = None
+    self.stop_token_ids = tuple(stop_token_ids)
+    self.max_prompt_len = int(max_prompt_len)
+    self.max_answer_len = int(max_answer_len)
+    self.jax_reward = tasks.exact_match_jax_reward(self.stop_token_ids)
+
+  def split(self, name: str) -> list:
+    if name not in tasks.SPLITS:
+      raise ValueError(f"Task {self.name!r}: `name` must be one of {tasks.SPLITS}, got {name!r}.")
+    return []  # shapes only: no examples
+
+  def score(self, examples, completions) -> np.ndarray:
+    return np.asarray(
+      [
+        tasks.exact_match(e.answer, c, self.stop_token_ids)
+        for e, c in zip(examples, completions, strict=True)
+      ],
+      np.float32,
+    )
+
+
+def shapes_task(model: str, load: Workload) -> ShapesTask:
+  """Prompts of S - answer tokens, answers of `max_answer_len`, the checkpoint's EOS as stop."""
+  eos = HF_CONFIGS[model]["eos_token_id"] if model in HF_CONFIGS else 1
+  return ShapesTask(load.seq_len - load.answer_len, load.answer_len, (int(eos),))
+
+
+def rollout_config(config: ml_collections.ConfigDict, program: str) -> ml_collections.ConfigDict:
+  """`config` with the rollout dtypes of a sampler program (`ROLLOUT_DTYPES`)."""
+  suffix = next(k for k in sorted(ROLLOUT_DTYPES, key=len, reverse=True) if program.endswith(k))
+  weight, kv = ROLLOUT_DTYPES[suffix]
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.rollout.weight_dtype = weight
+  config.rollout.kv_dtype = kv or config.rollout.kv_dtype
+  return config
+
+
+def _with_sharding(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def _fp8_weights(sampler: sampling.Sampler) -> bool:
+  return sampler.config.weight_dtype not in (None, "auto")
+
+
+def rollout_params(mc: policy.ModelConfig, sampler: sampling.Sampler, params: Any) -> Any:
+  """The abstract params the sampler runs: FP8 linears placed as `rl.Fp8Refresh` puts them."""
+  if not _fp8_weights(sampler):
+    return params
+  fp8 = jax.eval_shape(lambda p: sampling.quantize_params(p, sampler.config), params)
+  return _with_sharding(fp8, policy.param_shardings(mc, sampler.mesh, fp8_linears=True))
+
+
+def kv_scales(mc: policy.ModelConfig, sampler: sampling.Sampler) -> tuple | None:
+  """Abstract f32[L, Hkv] K and V scales, replicated (FP8 KV only), as `rl.Fp8Refresh` holds."""
+  if jnp.dtype(sampler.config.page_dtype(mc.compute_dtype)).itemsize != 1:
+    return None
+  replicated = NamedSharding(sampler.mesh, PartitionSpec())
+  scale = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads), jnp.float32, sharding=replicated)
+  return scale, scale
+
+
+def _decoder_linears(mc: policy.ModelConfig) -> dict[tuple[int, int], list[str]]:
+  """(K, N) of every decoder linear, with the names sharing the shape."""
+  d, q, kv, i = (
+    mc.hidden_size,
+    mc.num_heads * mc.head_dim,
+    mc.num_kv_heads * mc.head_dim,
+    (mc.intermediate_size),
+  )
+  shapes = {
+    "q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+    "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d),
+  }  # fmt: skip
+  out: dict[tuple[int, int], list[str]] = {}
+  for name, shape in shapes.items():
+    out.setdefault(shape, []).append(name)
+  return out
+
+
+def _forward_flops(mc: policy.ModelConfig, context: float) -> float:
+  """Matmul FLOPs of one token attending `context` positions (module docstring's N)."""
+  return 2 * _matmul_params(mc) + 4 * mc.num_layers * mc.num_heads * mc.head_dim * context
+
+
+def _matmul_params(mc: policy.ModelConfig) -> int:
+  d, dh, heads, kv, layers = (
+    mc.hidden_size, mc.head_dim, mc.num_heads, mc.num_kv_heads, mc.num_layers
+  )  # fmt: skip
+  return layers * (d * dh * (2 * heads + 2 * kv) + 3 * d * mc.intermediate_size) + mc.vocab_size * d
+
+
+def _weight_bytes(mc: policy.ModelConfig, fp8_linears: bool) -> float:
+  """Bytes of the weights one token multiplies through (FP8 decoder linears: 1 byte each)."""
+  head = mc.vocab_size * mc.hidden_size * jnp.dtype(mc.param_dtype).itemsize
+  linears = _matmul_params(mc) - mc.vocab_size * mc.hidden_size
+  return head + linears * (1 if fp8_linears else jnp.dtype(mc.param_dtype).itemsize)
+
+
+def _kv_bytes_per_token(mc: policy.ModelConfig, page_dtype) -> int:
+  return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * jnp.dtype(page_dtype).itemsize
+
+
+def sampler_roofline(
+  kind: str, mc: policy.ModelConfig, sampler: sampling.Sampler, prompt_len: int
+) -> tuple[float, float, float]:
+  """(FLOPs, HBM bytes, tokens) of one chip for one decode step or the widest prefill call.
+
+  decode: every slot attends prompt_len + max_new_tokens / 2 positions (the mean over a
+  full-length sample); bytes = the weights (gathered: each chip streams all of them) +
+  its slots' K/V of those positions. prefill: B x W tokens attending prompt_len / 2
+  positions on average; bytes = the weights + the K/V written + the cached K/V read
+  ((prompt_len - W) / 2 positions per row on average over a prompt's chunks).
+  """
+  cfg = sampler.config
+  shards = train.batch_axis_size(sampler.mesh)
+  fp8 = _fp8_weights(sampler)
+  kv_token = _kv_bytes_per_token(mc, cfg.page_dtype(mc.compute_dtype))
+  weights = _weight_bytes(mc, fp8)
+  if kind == "decode":
+    rows, context = cfg.max_slots / shards, prompt_len + cfg.max_new_tokens / 2
+    return rows * _forward_flops(mc, context), weights + rows * context * kv_token, cfg.max_slots
+  rows, width = sampling.scheduling.prefill_rows(cfg.max_slots)[-1], cfg.prefill_chunk
+  tokens = rows * width / shards
+  reads = rows / shards * max(prompt_len - width, 0) / 2 * kv_token
+  flops = tokens * _forward_flops(mc, prompt_len / 2)
+  return flops, weights + tokens * kv_token + reads, rows * width
+
+
 def _short_error(error: Exception, limit: int = 160) -> str:
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
   text = next((line for line in lines if "RESOURCE_EXHAUSTED" in line or "memory" in line), "")
@@ -270,41 +464,204 @@ def _short_error(error: Exception, limit: int = 160) -> str:
   return (type(error).__name__ + ": " + text)[:limit].replace("|", "/")
 
 
-def compile_one(program: str, model: str, topology: str, config, load: Workload) -> Row:
-  """Builds, traces and compiles `program` for `topology`; never raises on compiler errors."""
+@dataclasses.dataclass
+class Program:
+  """One program to compile: how to trace it and its analytic roofline inputs (per chip)."""
+
+  trace: Any  # () -> jax.stages.Traced
+  flops: float
+  bytes: float
+  tokens: float  # tokens one call processes (tokens/s = tokens / roofline time)
+  donated: int = 0  # per-chip bytes of the state the program updates in place (donated)
+  note: str = ""
+  label: str = ""  # the row's program name, when one program has several rows
+
+
+def _rl_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The fused step's config: every row in a slot at once (sampler sizes 0: rlx's default)."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.sampler.max_slots = 0
+  config.sampler.num_pages = 0
+  return config
+
+
+def build_programs(
+  program: str, model: str, config: ml_collections.ConfigDict, load: Workload, mesh
+) -> list[Program]:
+  """The traced program(s) of `program`, each built as `rlx.rl.run` builds it."""
   mc = model_config(model, config)
   cfg = rl.train_config(config)  # what rlx.rl.run builds the train step from
+  state = train.abstract_train_state(mc, cfg, mesh)
+  tokens = load.rows * load.seq_len
+  if program in ("train_step", "compute_logprobs"):
+    batch = _abstract_batch(mesh, program, load)
+    flops, nbytes = roofline(program, mc, cfg, load, state)
+    if program == "train_step":
+      step = train.make_train_step(mc, cfg, mesh)
+      donated = _per_chip_bytes(state)
+      return [Program(lambda: step.jitted.trace(state, batch), flops, nbytes, tokens, donated)]
+    logprobs = train.make_compute_logprobs(mc, cfg, mesh)
+    return [Program(lambda: logprobs.jitted.trace(state.params, batch), flops, nbytes, tokens)]
+  task = shapes_task(model, load)
+  if program == "rl_step":
+    return [_rl_step_program(mc, config, load, mesh, task)]
+  sampler_config = rollout_config(config, program)
+  kwargs = rl.sampler_kwargs(sampler_config, task, rows=load.rows, greedy=False)
+  sampler = rl.make_sampler(mc, kwargs, mesh)
+  params, scales = rollout_params(mc, sampler, state.params), kv_scales(mc, sampler)
+  c = sampler.config
+  pool = f"{c.max_slots} slots, {c.num_pages} pages of {c.page_size}"
+  pool += f", {c.page_dtype(mc.compute_dtype)}"
+  if program == "fp8_matmul":
+    return _fp8_matmul_programs(mc, sampler)
+  prompt_len = task.max_prompt_len
+  if program.startswith("decode"):
+    flops, nbytes, n = sampler_roofline("decode", mc, sampler, prompt_len)
+    note = f"{pool}; {c.steps_per_sync} steps per call, roofline per step"
+    trace = lambda: sampler.trace_decode(params, kv_scales=scales)  # noqa: E731
+    return [Program(trace, flops, nbytes, n, pool_bytes_per_chip(mc, sampler), note)]
+  flops, nbytes, n = sampler_roofline("prefill", mc, sampler, prompt_len)
+  rows = sampling.scheduling.prefill_rows(c.max_slots)[-1]
+  note = f"{pool}; widest call {rows} x {c.prefill_chunk} tokens"
+  trace = lambda: sampler.trace_prefill(params, kv_scales=scales)  # noqa: E731
+  return [Program(trace, flops, nbytes, n, pool_bytes_per_chip(mc, sampler), note)]
+
+
+def _fp8_matmul_programs(mc: policy.ModelConfig, sampler: sampling.Sampler) -> list[Program]:
+  """`fp8_blockwise_matmul` at each decoder linear's (K, N), M = a decode step's slots.
+
+  Called per chip in a `shard_map` (rows over the batch axes, FP8 weights and block
+  scales replicated), as a Mosaic kernel must be on a mesh.
+  """
+  mesh, m = sampler.mesh, sampler.config.max_slots
+  batch = PartitionSpec(train.BATCH_AXES)
+  rows, rep = NamedSharding(mesh, batch), NamedSharding(mesh, PartitionSpec())
+  f8, f32, block = jnp.float8_e4m3fn, jnp.float32, 128  # the kernel's 128 x 128 FP8 blocks
+  shards = train.batch_axis_size(mesh)
+  out = []
+  for (k, n), names in _decoder_linears(mc).items():
+    args = (
+      jax.ShapeDtypeStruct((m, k), f8, sharding=rows),
+      jax.ShapeDtypeStruct((m, -(-k // block)), f32, sharding=rows),
+      jax.ShapeDtypeStruct((k, n), f8, sharding=rep),
+      jax.ShapeDtypeStruct((-(-k // block), -(-n // block)), f32, sharding=rep),
+    )
+    fn = jax.jit(
+      jax.shard_map(
+        lambda x, xs, w, ws: kernels_pallas.fp8_blockwise_matmul(
+          x, xs, w, ws, out_dtype=mc.compute_dtype
+        ),
+        mesh=mesh, in_specs=(batch, batch, PartitionSpec(), PartitionSpec()), out_specs=batch,
+        check_vma=False,
+      )
+    )  # fmt: skip
+    mc_rows = m / shards
+    flops = 2 * mc_rows * k * n
+    nbytes = mc_rows * k + k * n + 2 * mc_rows * n + 4 * (mc_rows * k / block + k * n / block**2)
+    note = f"{'/'.join(names)}: [{m}, {k}] x [{k}, {n}], {mc_rows:.0f} rows per chip"
+    label = "fp8_matmul " + "/".join(name.removesuffix("_proj") for name in names)
+    trace = lambda fn=fn, args=args: fn.trace(*args)  # noqa: E731
+    out.append(Program(trace, flops, nbytes, m, note=note, label=label))
+  return out
+
+
+def _rl_step_program(mc, config, load: Workload, mesh, task: ShapesTask) -> Program:
+  """`rl.make_rl_step` (sample, JAX reward, advantages, log-probs, update) as one program."""
+  config = _rl_config(config)
+  learner = rl.Learner(config, task, mc, mesh)
+  kwargs = rl.sampler_kwargs(config, task, rows=load.rows, greedy=False)
+  sampler = rl.make_sampler(mc, kwargs, mesh)
+  step = rl.make_rl_step(learner, sampler)
+  cfg = learner.train_config
+  state = train.abstract_train_state(mc, cfg, mesh)
+  n, width = load.rows // learner.group_size, sampler.config.max_prompt_len
+  answer_width = 32  # reference-answer tokens (any width: the reward compares them)
+  args = (
+    state, state.params, np.zeros((n, width), np.int32), np.full((n,), width, np.int32),
+    np.zeros((n, answer_width), np.int32), np.ones((n,), np.int32), jax.random.key(0),
+  )  # fmt: skip
+  # Sampling: every row prefills its prompt and decodes max_new_tokens steps, each
+  # streaming the weights and its K/V; then compute_logprobs and the train step.
+  c, chips, shards = sampler.config, mesh.size, train.batch_axis_size(mesh)
+  p_len, m = task.max_prompt_len, c.max_new_tokens
+  kv_token = _kv_bytes_per_token(mc, c.page_dtype(mc.compute_dtype))
+  weights = _weight_bytes(mc, _fp8_weights(sampler))
+  sample_flops = (
+    load.rows
+    / chips
+    * (p_len * _forward_flops(mc, p_len / 2) + m * _forward_flops(mc, p_len + m / 2))
+  )
+  chunks = -(-(p_len - 1) // c.prefill_chunk)
+  kv_traffic = load.rows / shards * kv_token * (p_len + m * (p_len + m / 2))  # writes + reads
+  sample_bytes = (chunks + m) * weights + kv_traffic
+  flops, nbytes = sample_flops, sample_bytes
+  for part in ("compute_logprobs", "train_step"):
+    f, b = roofline(part, mc, cfg, load, state)
+    flops, nbytes = flops + f, nbytes + b
+  note = (
+    f"{load.rows} rows sampled in {c.max_slots} slots ({c.num_pages} pages of {c.page_size}, "
+    f"{c.page_dtype(mc.compute_dtype)}), then compute_logprobs + train_step"
+  )
+  trace = lambda: step.jitted.trace(*args)  # noqa: E731
+  return Program(trace, flops, nbytes, load.rows * load.seq_len, _per_chip_bytes(state), note)
+
+
+def pool_bytes_per_chip(mc: policy.ModelConfig, sampler: sampling.Sampler) -> int:
+  """Per-chip bytes of the sampler's K and V page pools, `[L, Hkv, P, page, D]` each.
+
+  Replicated over the batch axes; KV heads split over "tensor" when it divides them.
+  """
+  c, mesh = sampler.config, sampler.mesh
+  tensor = mesh.shape.get(train.MESH_AXES[-1], 1)  # "tensor"
+  heads = mc.num_kv_heads // tensor if mc.num_kv_heads % tensor == 0 else mc.num_kv_heads
+  size = mc.num_layers * heads * c.num_pages * c.page_size * mc.head_dim
+  return 2 * size * jnp.dtype(c.page_dtype(mc.compute_dtype)).itemsize
+
+
+def compile_one(program: str, model: str, topology: str, config, load: Workload) -> list[Row]:
+  """Builds, traces and compiles `program` for `topology`; never raises on compiler errors."""
   mesh = make_topology_mesh(topology, load)
   layout = "x".join(str(mesh.shape[a]) for a in train.MESH_AXES)
   chip = chip_spec(topology)
-  state = train.abstract_train_state(mc, cfg, mesh)
-  batch = _abstract_batch(mesh, program, load)
-  if program == "train_step":
-    jitted, args = train.make_train_step(mc, cfg, mesh).jitted, (state, batch)
-  elif program == "compute_logprobs":
-    jitted, args = train.make_compute_logprobs(mc, cfg, mesh).jitted, (state.params, batch)
-  else:
-    raise ValueError(f"Unknown program {program!r}; choose from {PROGRAMS}.")
-  flops, nbytes = roofline(program, mc, cfg, load, state)
-  seconds = max(flops / chip.bf16_flops, nbytes / chip.hbm_bandwidth)
-  start = time.perf_counter()
-  memory, status = {}, "ok"
-  try:
-    # Mosaic kernels outside a shard_map read the TPU generation from the default device.
-    with jax.default_device(mesh.devices.flat[0]):
-      compiled = jitted.trace(*args).lower().compile()
-    stats = compiled.memory_analysis()
-    memory = {
-      k: int(getattr(stats, f"{k}_size_in_bytes"))
-      for k in ("argument", "output", "temp", "alias", "generated_code")
-    }
-  except Exception as e:  # noqa: BLE001 (the compiler's error is the result)
-    status = _short_error(e)
-  return Row(
-    program=program, model=model, topology=topology, mesh=layout, status=status,
-    compile_s=time.perf_counter() - start, memory=memory, capacity=chip.hbm_bytes,
-    flops=flops, bytes=nbytes, roofline_s=seconds, tokens_per_s=load.rows * load.seq_len / seconds,
-  )  # fmt: skip
+  rows = []
+  for prog in build_programs(program, model, config, load, mesh):
+    seconds = max(prog.flops / chip.bf16_flops, prog.bytes / chip.hbm_bandwidth)
+    start = time.perf_counter()
+    memory, status, mosaic = {}, "ok", 0
+    try:
+      traced = prog.trace()  # on the host CPU: a closed-over key or constant is made there
+      # JAX's Mosaic lowering reads the TPU generation from the default device.
+      with jax.default_device(mesh.devices.flat[0]):
+        lowered = traced.lower()
+        mosaic = lowered.as_text().count(f"@{_MOSAIC}")
+        compiled = lowered.compile()
+      stats = compiled.memory_analysis()
+      memory = {
+        k: int(getattr(stats, f"{k}_size_in_bytes"))
+        for k in ("argument", "output", "temp", "alias", "generated_code")
+      }
+    except Exception as e:  # noqa: BLE001 (the compiler's error is the result)
+      status = _short_error(e)
+    rows.append(
+      Row(
+        program=prog.label or program,
+        model=model,
+        topology=topology,
+        mesh=layout,
+        status=status,
+        compile_s=time.perf_counter() - start,
+        memory=memory,
+        capacity=chip.hbm_bytes,
+        flops=prog.flops,
+        bytes=prog.bytes,
+        roofline_s=seconds,
+        tokens_per_s=prog.tokens / seconds,
+        donated=prog.donated,
+        mosaic=mosaic,
+        note=prog.note,
+      )  # fmt: skip
+    )
+  return rows
 
 
 def in_use(memory: dict[str, int]) -> int:
@@ -323,9 +680,9 @@ def run(
   for model in models:
     for topology in topologies:
       for program in programs:
-        row = compile_one(program, model, topology, config, load)
-        log(f"{program} {model} {topology}: {row.status} ({row.compile_s:.1f} s)")
-        rows.append(row)
+        for row in compile_one(program, model, topology, config, load):
+          log(f"{program} {model} {topology}: {row.status} ({row.compile_s:.1f} s) {row.note}")
+          rows.append(row)
   return rows
 
 
@@ -334,7 +691,9 @@ def smoke_setup(config: ml_collections.ConfigDict) -> tuple[ml_collections.Confi
   config = ml_collections.ConfigDict(config.to_dict())
   config.train.micro_batches = 1
   config.train.mini_batches = 1
-  return config, Workload(rows=8, seq_len=64, fsdp=2, tensor=1)
+  config.rl.prompts_per_iteration, config.rl.num_samples = 2, 4
+  config.sampler.max_slots, config.sampler.num_pages = 8, 0  # 0: every slot at full length
+  return config, Workload(rows=8, seq_len=64, fsdp=2, tensor=1, answer_len=32)
 
 
 def _num(x: float) -> str:
@@ -351,27 +710,41 @@ def markdown(rows: list[Row], load: Workload, config, command: str) -> str:
     f"{config.train.micro_batches}, mini_batches {config.train.mini_batches}, ppo_epochs "
     f"{config.train.ppo_epochs}, loss {config.train.loss}, {config.model.param_dtype} params, "
     f"remat {config.model.remat}, jax {jax.__version__}. HBM in GiB per chip; roofline and "
-    "tokens/s are analytic bounds from the chip's published peaks, not measurements.",
+    "tokens/s are analytic bounds from the chip's published peaks, not measurements. "
+    f"Sampler: max_slots {config.sampler.max_slots}, page_size {config.sampler.page_size}, "
+    f"num_pages {config.sampler.num_pages}, steps_per_sync {config.sampler.steps_per_sync}, "
+    f"prompts of {load.seq_len - load.answer_len} tokens, max_new_tokens {load.answer_len}. "
+    "donated: per-chip bytes of the state a program updates in place (the train state, the "
+    "KV page pool; logical, before TPU tile padding), to compare with aliased; Mosaic: Pallas "
+    "TPU kernel calls in the lowered program.",
     "",
     "| program | model | topology | mesh d x f x t | status | compile s | args | outputs "
-    "| temps | aliased | in use / capacity | TFLOP/chip | GB/chip | roofline ms | bound "
-    "| tokens/s |",
-    "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    "| temps | aliased | donated | in use / capacity | Mosaic | TFLOP/chip | GB/chip "
+    "| roofline ms | bound | tokens/s |",
+    "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
   ]
   for r in rows:
     m = r.memory
-    mem = ["-"] * 5
+    mem = ["-"] * 4 + [_num(r.donated / gib), "-", "-"]
     if m:
       mem = [_num(m[k] / gib) for k in ("argument", "output", "temp", "alias")]
       use = in_use(m)
       over = "" if use <= r.capacity else " (over)"
-      mem.append(f"{_num(use / gib)} / {r.capacity / gib:.0f}{over}")
+      mem += [_num(r.donated / gib), f"{_num(use / gib)} / {r.capacity / gib:.0f}{over}"]
+      mem.append(str(r.mosaic))
     chip = chip_spec(r.topology)
     bound = "FLOPs" if r.flops / chip.bf16_flops >= r.bytes / chip.hbm_bandwidth else "HBM"
     cells = [r.program, r.model, r.topology, r.mesh, r.status, f"{r.compile_s:.1f}", *mem]
     cells += [_num(r.flops / 1e12), _num(r.bytes / 1e9), _num(1e3 * r.roofline_s), bound]
     cells.append(f"{r.tokens_per_s:,.0f}")
     lines.append("| " + " | ".join(cells) + " |")
+  notes = {}
+  for r in rows:
+    if r.note:
+      notes.setdefault((r.program, r.model, r.note), []).append(r.topology)
+  if notes:
+    lines += ["", "Shapes per row:", ""]
+    lines += [f"- {p} ({m}, {', '.join(t)}): {n}" for (p, m, n), t in notes.items()]
   lines += ["", "Chip peaks (per chip, bf16 dense):", ""]
   lines += [
     f"- {name}: {c.bf16_flops / 1e12:.0f} TFLOP/s, {c.hbm_bandwidth / 1e9:.0f} GB/s HBM, "
