@@ -41,11 +41,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from rlx.kernels_pallas._common import (
   arrays_platform,
   check_float_array,
+  is_concrete,
   next_pow2,
   resolve_impl,
 )
@@ -245,6 +247,30 @@ def _fp8_matmul_jit(x_q, x_scale, w_q, w_scale, *, out_dtype, impl, interpret, b
   )  # fmt: skip
 
 
+def _multi_device_mesh(x):
+  """The mesh `x` is laid out on (a tracer's abstract mesh, an array's `NamedSharding`
+  mesh) when it spans more than one device, else None. None inside a `shard_map` body
+  (manual mesh axes): there the kernel already runs per device."""
+  sharding = getattr(x if is_concrete(x) else jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", False) or mesh.size <= 1:
+    return None
+  if any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ())):
+    return None
+  return mesh
+
+
+def _row_axes(mesh, rows: int) -> tuple[str, ...]:
+  """Mesh axes, in mesh order, that split `rows` evenly (each kept while the product divides)."""
+  axes, size = [], 1
+  for name in mesh.axis_names:
+    n = mesh.shape[name]
+    if n > 1 and rows % (size * n) == 0:
+      axes.append(name)
+      size *= n
+  return tuple(axes)
+
+
 def fp8_blockwise_matmul(
   x_q: Float[Array, "M K"],
   x_scale: Float[Array, "M Kb"],
@@ -272,6 +298,12 @@ def fp8_blockwise_matmul(
   sequential K axis of `block_k`-wide steps with a float32 VMEM accumulator, the
   dot in bf16 (exact for FP8 inputs; v5e/v6e have no FP8 MXU).
   K, M, N need not be multiples of 128: zero padding (exact), see module doc.
+
+  On a mesh of more than one device (the inputs sharded over it, e.g. inside
+  a `jit` of the sampler), a Pallas kernel runs per device in a `shard_map`,
+  as Pallas kernels cannot be partitioned by XLA: the rows are split over
+  every mesh axis that divides M and the weights and their scales are
+  replicated (gathered onto each device). The XLA path is partitioned by XLA.
 
   Args:
     x_q: `[M, K]` FP8 activations.
@@ -310,10 +342,21 @@ def fp8_blockwise_matmul(
   block_m, block_k = int(block_m), int(block_k)
   platform = arrays_platform(x_q, x_scale, w_q, w_scale)
   impl = resolve_impl(impl, interpret, platform)
-  return _fp8_matmul_jit(
-    x_q, x_scale, w_q, w_scale, out_dtype=jnp.dtype(out_dtype), impl=impl, interpret=interpret,
+  matmul = functools.partial(
+    _fp8_matmul_jit, out_dtype=jnp.dtype(out_dtype), impl=impl, interpret=interpret,
     block_m=block_m, block_k=block_k,
   )  # fmt: skip
+  mesh = _multi_device_mesh(x_q) if impl != "xla" else None
+  if mesh is None:
+    return matmul(x_q, x_scale, w_q, w_scale)
+  rows = PartitionSpec(_row_axes(mesh, x_q.shape[0]) or None)
+  return jax.shard_map(
+    matmul,
+    mesh=mesh,
+    in_specs=(rows, rows, PartitionSpec(), PartitionSpec()),
+    out_specs=rows,
+    check_vma=False,
+  )(x_q, x_scale, w_q, w_scale)
 
 
 @jax.jit

@@ -271,3 +271,70 @@ def test_quantizer_and_cast_inputs_name_the_argument():
   )
   with pytest.raises(ValueError, match="`out_dtype` must be a float dtype"):
     fp8_blockwise_matmul(*q, out_dtype="foo")
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize(("devices", "rows"), [(1, 16), (2, 16), (8, 16), (8, 12)])
+def test_kernel_on_a_mesh_runs_per_device_and_matches_reference(kernel, devices, rows):
+  """Under a jit of mesh-sharded activations the Pallas kernel runs in a shard_map (XLA cannot
+  partition a Pallas call): rows split over the mesh axes that divide them, weights gathered."""
+  from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+  from rlx import train  # noqa: PLC0415
+
+  if len(jax.devices()) < devices:
+    pytest.skip(f"needs {devices} devices (--xla_force_host_platform_device_count)")
+  mesh = train.make_mesh(
+    data=-1, fsdp=2 if devices > 2 else 1, tensor=1, devices=jax.devices()[:devices]
+  )
+  x = jax.random.normal(jax.random.key(0), (rows, 256), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (256, 200), jnp.float32)
+  x_q, x_scale = quantize_fp8_per_token_group(x, 128)
+  w_q, w_scale = quantize_fp8_blockwise(w, (128, 128))
+  # Rows over the batch axes where they divide (12 rows on 4 x 2: replicated, and the
+  # kernel's shard_map splits them over "data" alone).
+  split = rows % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0
+  spec = PartitionSpec(train.BATCH_AXES) if split else PartitionSpec()
+  x_q, x_scale = jax.device_put((x_q, x_scale), NamedSharding(mesh, spec))
+  w_q, w_scale = jax.device_put((w_q, w_scale), NamedSharding(mesh, PartitionSpec("fsdp")))
+
+  def matmul(*args):
+    return fp8_blockwise_matmul(
+      *args, impl="pallas", interpret=INTERPRET[kernel], out_dtype=jnp.float32
+    )
+
+  args = (x_q, x_scale, w_q, w_scale)
+  got = jax.jit(matmul)(*args)
+  want = fp8_blockwise_matmul_reference(*args)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert ("shard_map" in str(jax.make_jaxpr(matmul)(*args))) == (devices > 1)
+
+
+def test_kernel_inside_a_shard_map_is_not_wrapped_again():
+  """In a caller's shard_map body (manual axes) the kernel runs on the local rows as it is."""
+  from jax.sharding import PartitionSpec  # noqa: PLC0415
+
+  from rlx import train  # noqa: PLC0415
+
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices (--xla_force_host_platform_device_count)")
+  mesh = train.make_mesh(data=2, fsdp=1, tensor=1, devices=jax.devices()[:2])
+  _, _, x_q, x_scale, w_q, w_scale = _quantized(16, 256, 128)
+  rows = PartitionSpec(train.BATCH_AXES)
+
+  def local(*args):
+    return fp8_blockwise_matmul(*args, impl="pallas", interpret=True, out_dtype=jnp.float32)
+
+  per_device = jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(rows, rows, PartitionSpec(), PartitionSpec()),
+    out_specs=rows,
+    check_vma=False,  # a pallas_call's outputs carry no varying-axes type
+  )
+  args = (x_q, x_scale, w_q, w_scale)
+  got = jax.jit(per_device)(*args)
+  np.testing.assert_allclose(
+    np.asarray(got), np.asarray(fp8_blockwise_matmul_reference(*args)), rtol=0, atol=1e-5
+  )
+  assert str(jax.make_jaxpr(per_device)(*args)).count("shard_map") == 1

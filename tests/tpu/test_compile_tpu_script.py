@@ -74,14 +74,16 @@ def test_sampler_programs_update_the_page_pool_in_place(compile_tpu, smoke_rows,
   assert decode.tokens_per_s == pytest.approx(config.sampler.max_slots / decode.roofline_s)
 
 
-def test_fp8_rollout_linears_are_not_partitioned(smoke_rows):
-  # W8A8 linears call the Mosaic FP8 matmul outside a shard_map, on activations sharded
-  # over the mesh: the TPU lowering refuses to partition it.
-  _, _, rows = smoke_rows
-  for name in ("decode_fp8", "prefill_fp8"):
-    assert rows[name].status.startswith("NotImplementedError: Mosaic kernels cannot be"), rows[
-      name
-    ].status
+def test_fp8_rollout_programs_compile_with_the_fp8_matmul_kernel(compile_tpu, smoke_rows):
+  # W8A8 linears: the Mosaic FP8 matmul runs per chip in a shard_map (XLA cannot partition
+  # a Mosaic call on activations sharded over the mesh), beside the paged attention.
+  config, _, rows = smoke_rows
+  for name in ("decode", "prefill"):
+    fp8, fp8kv = rows[name + "_fp8"], rows[name + "_fp8kv"]
+    assert fp8.status == "ok", fp8.status
+    assert fp8.mosaic > fp8kv.mosaic  # the matmul kernels besides the attention's
+    assert fp8.donated == fp8kv.donated > 0  # the same FP8 page pool
+    assert fp8.memory["alias"] == _padded_pool(fp8, compile_tpu, config)
 
 
 def test_fp8_matmul_and_fused_step_compile(compile_tpu, smoke_rows):
