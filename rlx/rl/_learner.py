@@ -335,13 +335,36 @@ class RLStep:
   donates `state`. Returns `(state, metrics)` with device scalar metrics.
   With FP8 KV (`fp8.kv_fp8`) the jitted function also takes this step's KV
   scales and returns the recalibrated ones, kept in `fp8.kv_scales`.
+  A call (or `compile_from_examples`) whose program does not fit in device
+  memory raises `rlx.train.OutOfMemoryError`, listing the settings that lower
+  it (`memory_advice`).
   """
 
-  def __init__(self, jitted: Any, learner: Learner, width: int, fp8: Any = None):
+  def __init__(
+    self, jitted: Any, learner: Learner, width: int, fp8: Any = None, sampler: Any = None
+  ):
     self.jitted = jitted
     self.learner = learner
     self.width = width
     self.fp8 = fp8
+    self.sampler = sampler
+
+  def memory_advice(self, prompts: int | None = None) -> tuple[str, ...]:
+    """The settings that lower the fused program's memory, with their current values.
+
+    The train step's (for `prompts` x group size rows), the sampler's, and the
+    unfused loop, which samples in the sampler's slots instead of every row at once.
+    """
+    rows = None if prompts is None else prompts * self.learner.group_size
+    train_advice = getattr(self.learner.train_step, "memory_advice", None)
+    lines = list(train_advice(rows)) if train_advice else []
+    if hasattr(self.sampler, "memory_advice"):
+      lines += self.sampler.memory_advice()
+    lines.append(
+      "rl.fused = False (now True): sample in the sampler's slots (sampler.max_slots), reward "
+      "and train in separate programs, instead of every row in a slot within one program"
+    )
+    return tuple(lines)
 
   def __call__(
     self, state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
@@ -357,14 +380,15 @@ class RLStep:
     if np.shape(answer_ids)[0] != n:
       raise ValueError(f"`answer_ids` must have {n} rows, got {np.shape(answer_ids)}.")
     _check_not_aliased(ref_params, state)
-    if self.fp8 is None:
-      return self.jitted(
-        state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
+    with train.explain_out_of_memory("rl_step", lambda: self.memory_advice(n)):
+      if self.fp8 is None:
+        return self.jitted(
+          state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng
+        )
+      scales = self.fp8.generate_kwargs().get("kv_scales")
+      state, metrics, scales = self.jitted(
+        state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng, scales
       )
-    scales = self.fp8.generate_kwargs().get("kv_scales")
-    state, metrics, scales = self.jitted(
-      state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng, scales
-    )
     if self.fp8.kv_fp8:
       self.fp8.kv_scales = scales
     return state, metrics
@@ -388,7 +412,8 @@ class RLStep:
     args = (state, ref_params, *self._example_arrays(examples), rng)
     if self.fp8 is not None:
       args = (*args, self.fp8.generate_kwargs().get("kv_scales"))
-    self.jitted.lower(*args).compile()
+    with train.explain_out_of_memory("rl_step", lambda: self.memory_advice(len(examples))):
+      self.jitted.lower(*args).compile()
 
   def _example_arrays(self, examples: Sequence[Any]):
     tokens, lengths = _rollout.pad_prompts([e.prompt_ids for e in examples], self.width)
@@ -521,5 +546,5 @@ def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
         state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng, None
       )
 
-    return RLStep(jax.jit(plain, donate_argnums=(0,)), learner, width)
-  return RLStep(jax.jit(step, donate_argnums=(0,)), learner, width, fp8=fp8)
+    return RLStep(jax.jit(plain, donate_argnums=(0,)), learner, width, sampler=sampler)
+  return RLStep(jax.jit(step, donate_argnums=(0,)), learner, width, fp8=fp8, sampler=sampler)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from rlx import policy
+from rlx import _memory, policy
 from rlx._mesh_axes import BATCH_AXES
 from rlx.sampling._config import SamplerConfig
 from rlx.sampling._engine import (
@@ -95,6 +95,9 @@ class Sampler:
   Raises:
     ValueError: bad config (stop ids outside the vocabulary, slots not divisible
       by the mesh's batch axes, ...).
+    rlx.train.OutOfMemoryError: from `generate` / `generate_requests`, when the
+      pool or a prefill / decode program does not fit in device memory; it lists
+      the settings that lower it (`memory_advice`).
   """
 
   def __init__(
@@ -128,6 +131,51 @@ class Sampler:
       key = dataclasses.replace(key, top_k=0)
     self._engine = engine_for(model_config, key, mesh)
     self._pool = None
+
+  # --------------------------------------------------------------------------------------
+  # Device memory.
+
+  def pool_bytes_per_chip(self) -> int:
+    """Bytes of the K and V page pools (`[L, Hkv, num_pages, page_size, D]` each) per chip.
+
+    The pools are split over the mesh's "tensor" axis (KV heads) where it divides
+    the heads, and whole on every chip of the batch axes.
+    """
+    m, c = self.model_config, self.config
+    shape = (m.num_layers, m.num_kv_heads, c.num_pages, c.page_size, m.head_dim)
+    sharding = self._engine.pool_sharding()
+    if sharding is not None:
+      shape = sharding.shard_shape(shape)
+    return 2 * math.prod(shape) * jnp.dtype(c.page_dtype(m.compute_dtype)).itemsize
+
+  def memory_advice(self) -> tuple[str, ...]:
+    """The settings that lower the sampler's device memory, with their current values.
+
+    What the `rlx.train.OutOfMemoryError` of a `generate` call that does not fit
+    lists. Names are the `rlx.rl.get_config()` fields (`sampler.*`, `rollout.*`,
+    `mesh.*`), the `SamplerConfig` fields of the same names where there is no rl
+    config field.
+    """
+    m, c = self.model_config, self.config
+    dtype = jnp.dtype(c.page_dtype(m.compute_dtype))
+    lines = [
+      f"sampler.num_pages (now {c.num_pages} pages of {c.page_size} tokens: the K/V pool "
+      f"holds {self.pool_bytes_per_chip() / 2**30:.3g} GiB per chip): fewer pages",
+      f"sampler.max_slots (now {c.max_slots}): fewer sequences decoded at once, smaller "
+      "decode and prefill activations",
+      f"prefill_chunk of the SamplerConfig (now {c.prefill_chunk}): fewer prompt tokens per "
+      "row in one prefill call",
+    ]
+    if dtype.itemsize > 1:
+      lines.append(
+        f"rollout.kv_dtype = 'fp8_e4m3' (now {dtype.name}): K/V pages of 1 byte per value"
+      )
+    tensor = int(self.mesh.shape.get("tensor", 1)) if self.mesh is not None else 1
+    lines.append(
+      f"mesh.tensor (now {tensor}, {m.num_kv_heads} KV heads): split the KV heads, and the "
+      "pool, over more chips (the pool is whole on every chip of the data and fsdp axes)"
+    )
+    return tuple(lines)
 
   # --------------------------------------------------------------------------------------
   # Compiled programs.
@@ -538,7 +586,8 @@ class Sampler:
     # page contents are never read, a slot only attends to positions it wrote.
     pool, self._pool = self._pool, None
     if pool is None:
-      pool = eng.empty_pool(P)
+      with _memory.explain_out_of_memory("the sampler's K/V pool", self.memory_advice):
+        pool = eng.empty_pool(P)
     page_sh, slot_sh = eng.state_shardings()
 
     def put(tree, shardings):
@@ -557,10 +606,11 @@ class Sampler:
         break
       exit_after = sched.exit_after(early_stop=stop_when is not None)
       dev_pages, dev_slots = put(pages.state(), page_sh), put(sched.slots, slot_sh)
-      pool, dev_pages, dev_slots, info = eng.decode(
-        params, pool, dev_pages, dev_slots, rng, k_scale, v_scale,
-        self._knobs(cfg.steps_per_sync, exit_after), allocate=True,
-      )  # fmt: skip
+      with _memory.explain_out_of_memory("the sampler's decode", self.memory_advice):
+        pool, dev_pages, dev_slots, info = eng.decode(
+          params, pool, dev_pages, dev_slots, rng, k_scale, v_scale,
+          self._knobs(cfg.steps_per_sync, exit_after), allocate=True,
+        )  # fmt: skip
       sched.end_window(*jax.device_get((dev_pages, dev_slots, info)))
       if stop_when is not None and stop_when(sched.done()):
         sched.abort()
@@ -580,7 +630,8 @@ class Sampler:
     ):
       if eng.single_chunk and call.start.any():
         raise RuntimeError("internal: a prefill call past the first chunk of a single-chunk config")
-      pool = eng.prefill(params, pool, *call, k_scale, v_scale)
+      with _memory.explain_out_of_memory("the sampler's prefill", self.memory_advice):
+        pool = eng.prefill(params, pool, *call, k_scale, v_scale)
       stats["prefill_calls"] += 1
       stats["prefill_tokens"] += int(call.num_new.sum())
     return pool

@@ -23,8 +23,15 @@ FSDP (ZeRO-3): params, gradients and optimizer state are stored sharded over
 the "fsdp" mesh axis; the forward all-gathers the embedding / LM head before
 it and each decoder layer inside the policy's layer scan (one layer at a time,
 re-gathered in the backward pass), see `fsdp_gather_fns`.
+
+A program that does not fit in device memory raises `OutOfMemoryError`: the
+compiler's line plus the settings that lower the memory (remat,
+micro-batches, fsdp / tensor, ...) with their current values.
+`explain_out_of_memory(program, advice)` gives the same error around any code
+(e.g. an ahead-of-time `.lower(...).compile()`).
 """
 
+from rlx._memory import OutOfMemoryError, explain_out_of_memory, is_out_of_memory
 from rlx._mesh_axes import (
   BATCH_AXES,
   MESH_AXES,
@@ -106,12 +113,14 @@ __all__ = (
   "Checkpointer",
   "ComputeLogprobs",
   "create_train_state",
+  "explain_out_of_memory",
   "fsdp_gather_fns",
   "FsdpGather",
   "gathered_layer_shardings",
   "gathered_param_shardings",
   "get_config",
   "initialize_distributed",
+  "is_out_of_memory",
   "make_compute_logprobs",
   "make_mesh",
   "make_optimizer",
@@ -120,6 +129,7 @@ __all__ = (
   "make_train_step",
   "MESH_AXES",
   "NonFiniteError",
+  "OutOfMemoryError",
   "opt_state_shardings",
   "param_shardings",
   "replicated",

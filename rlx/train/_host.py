@@ -16,7 +16,9 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
+from rlx import _memory
 from rlx.train import _batch, _distributed, _mesh, _placement, _spec, _state, _throughput
+from rlx.train import _memory as _train_memory
 
 
 class NonFiniteError(FloatingPointError):
@@ -70,6 +72,11 @@ class TrainStep:
     report_throughput: wait for each step and add the host-timed metrics
       (`spec.report_throughput` unless replaced).
     throughput: the `ThroughputMeter` recording every call.
+    model_config: the `rlx.policy.ModelConfig` (named in out-of-memory errors).
+
+  A call whose program does not fit in device memory (at compile or at run
+  time) raises `rlx.train.OutOfMemoryError`, whose message lists the settings that
+  lower it (`memory_advice`).
   """
 
   jitted: Any
@@ -84,12 +91,21 @@ class TrainStep:
   throughput: _throughput.ThroughputMeter = dataclasses.field(
     default_factory=_throughput.ThroughputMeter
   )
+  model_config: Any = None
+
+  def memory_advice(self, rows: int | None = None) -> tuple[str, ...]:
+    """The settings that lower this step's device memory, with their current values.
+
+    What the `rlx.train.OutOfMemoryError` of a call that does not fit lists (B = `rows`).
+    """
+    return _train_memory.train_step_advice(self.model_config, self.spec, self.mesh, rows)
 
   def __call__(self, state: _state.TrainState, batch: Mapping[str, Any]):
     start = time.perf_counter()
     placed = self.check_and_place(state, batch)
-    state, metrics = self.jitted(state, placed)
     b, s = placed["tokens"].shape
+    with _memory.explain_out_of_memory("train_step", lambda: self.memory_advice(rows=b)):
+      state, metrics = self.jitted(state, placed)
     self.throughput.record(positions=b * s, loss_tokens=metrics["tokens"], done=metrics)
     if self.report_throughput:
       jax.block_until_ready(metrics)

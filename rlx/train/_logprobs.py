@@ -10,8 +10,9 @@ import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
-from rlx import policy
+from rlx import _memory, policy
 from rlx.train import _batch, _forward, _gather, _mesh, _placement, _spec, _state
+from rlx.train import _memory as _train_memory
 
 _INPUT_KEYS = ("tokens", "loss_mask", "positions", "segment_ids")
 
@@ -32,6 +33,11 @@ class ComputeLogprobs:
     mesh: the mesh of the params and batch.
     model_config: the `rlx.policy.ModelConfig`.
     micro_batches: the forward runs in this many row parts.
+    spec: the `StepSpec` it was built from (named in out-of-memory errors).
+
+  A call whose program does not fit in device memory raises
+  `rlx.train.OutOfMemoryError`, listing the settings that lower it
+  (`memory_advice`).
   """
 
   jitted: Any
@@ -39,6 +45,11 @@ class ComputeLogprobs:
   mesh: Mesh
   model_config: Any
   micro_batches: int
+  spec: _spec.StepSpec | None = None
+
+  def memory_advice(self, rows: int | None = None) -> tuple[str, ...]:
+    """The settings that lower this program's device memory (B = `rows`), current values."""
+    return _train_memory.compute_logprobs_advice(self.spec, self.mesh, rows)
 
   def __call__(self, params: Any, batch: Mapping[str, Any]) -> Float[Array, "B S"]:
     if isinstance(params, _state.TrainState):
@@ -48,7 +59,9 @@ class ComputeLogprobs:
     check_inputs(batch, self.micro_batches * _mesh.batch_axis_size(self.mesh))
     _batch.check_values(batch, int(self.model_config.vocab_size))
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
-    return self.jitted(params, _placement.place_batch(inputs, self.mesh))
+    rows = int(inputs["tokens"].shape[0])
+    with _memory.explain_out_of_memory("compute_logprobs", lambda: self.memory_advice(rows)):
+      return self.jitted(params, _placement.place_batch(inputs, self.mesh))
 
 
 def check_inputs(batch: Mapping[str, Any], parts: int) -> None:
@@ -110,4 +123,5 @@ def make_compute_logprobs(
     mesh=mesh,
     model_config=model_config,
     micro_batches=spec.micro_batches,
+    spec=spec,
   )

@@ -158,6 +158,7 @@ def make_train_step(
     ),
     nonfinite=spec.nonfinite,
     report_throughput=spec.report_throughput,
+    model_config=model_config,
   )
 
 

@@ -3,6 +3,7 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import rl_test_utils
@@ -170,6 +171,20 @@ def test_rl_step_bad_inputs():
   with pytest.raises(ValueError, match=r"`ref_params\['embed'\]\['embedding'\]` shares its"):
     rl_step(state, state.params, tokens, lengths, ids, alen, jax.random.PRNGKey(0))
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # nothing ran
+  # Out of device memory: rlx's error lists the train step's, the sampler's and the
+  # unfused loop's settings (the jitted program replaced by one raising XLA's error).
+  ref = jax.tree.map(jnp.copy, state.params)
+
+  def out_of_memory(*args):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9.9G")
+
+  rl_step.jitted, jitted = out_of_memory, rl_step.jitted
+  with pytest.raises(train.OutOfMemoryError, match="rl_step does not fit") as info:
+    rl_step(state, ref, tokens, lengths, ids, alen, jax.random.PRNGKey(0))
+  rl_step.jitted = jitted
+  advice = "\n".join(info.value.advice)
+  assert f"B = {2 * learner.group_size}" in advice and "sampler.num_pages" in advice
+  assert "rl.fused = False (now True)" in advice
   host_config = rl_test_utils.tiny_config(**{"task.name": TASK, "rl.reward": "host"})
   host_learner = rl.Learner(host_config, task, model_config, mesh, compute_logprobs=logprobs)
   with pytest.raises(ValueError, match="needs a JAX reward"):
