@@ -9,8 +9,9 @@ per-GPU `memory_analysis()` and the same analytic rooflines.
 
 How (no GPU, no driver, no libcuda):
 
-  * The CUDA PJRT plugin (`pip install jax-cuda12-plugin==0.10.2`, or rlx's `cuda`
-    extra) implements `PJRT_TopologyDescription_Create` for deviceless compiles:
+  * The CUDA PJRT plugin (jax-cuda12-plugin 0.10.2: rlx's `cuda-compile` extra, or
+    its `cuda` extra on a GPU machine) implements `PJRT_TopologyDescription_Create`
+    for deviceless compiles:
     `PJRT_GpuDeviceTopology_Create` in
     https://github.com/openxla/xla/blob/main/xla/pjrt/c/pjrt_c_api_gpu_internal.cc
     reads two options, "target_config" (a text-format
@@ -62,7 +63,8 @@ FP8).
 Install (a separate environment keeps the CPU one clean):
 
   python -m venv --system-site-packages /tmp/cudavenv
-  /tmp/cudavenv/bin/pip install jax-cuda12-plugin==0.10.2 nvidia-cuda-nvcc-cu12==12.9.86
+  /tmp/cudavenv/bin/pip install -e ".[cuda-compile]"
+  # = jax-cuda12-plugin==0.10.2 nvidia-cuda-nvcc-cu12==12.9.86
 
 Rerun (prints the markdown table; `--out` also writes it):
 
@@ -82,7 +84,6 @@ import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -164,7 +165,7 @@ def cuda_plugin_missing() -> str | None:
   except ModuleNotFoundError:  # no jax_plugins namespace package at all
     found = False
   if not found:
-    return "the CUDA PJRT plugin is not importable: pip install jax-cuda12-plugin==0.10.2"
+    return 'the CUDA PJRT plugin is not importable: pip install -e ".[cuda-compile]"'
   return None
 
 
@@ -200,46 +201,13 @@ def compile_one(
 ) -> list[compile_tpu.Row]:
   """Builds, traces and compiles `program` for `gpus`; never raises on compiler errors.
 
-  compile_tpu.compile_one on a GPU mesh; a row's `mosaic` field counts Triton kernels.
+  compile_tpu's `compile_on_mesh` on a GPU mesh; a row's `mosaic` field counts Triton kernels.
   """
   mesh = make_gpu_mesh(gpus, load)
-  layout = "x".join(str(mesh.shape[a]) for a in train.MESH_AXES)
   chip = GPUS[parse_gpus(gpus)[0]]
-  rows = []
-  for prog in compile_tpu.build_programs(program, model, config, load, mesh):
-    seconds = max(prog.flops / chip.bf16_flops, prog.bytes / chip.hbm_bandwidth)
-    start = time.perf_counter()
-    memory, status, kernels = {}, "ok", 0
-    try:
-      lowered = prog.trace().lower()
-      kernels = lowered.as_text().count(f"@{_TRITON}")
-      stats = lowered.compile().memory_analysis()
-      memory = {
-        k: int(getattr(stats, f"{k}_size_in_bytes"))
-        for k in ("argument", "output", "temp", "alias", "generated_code")
-      }
-    except Exception as e:  # noqa: BLE001 (the compiler's error is the result)
-      status = compile_tpu._short_error(e)
-    rows.append(
-      compile_tpu.Row(
-        program=prog.label or program,
-        model=model,
-        topology=gpus,
-        mesh=layout,
-        status=status,
-        compile_s=time.perf_counter() - start,
-        memory=memory,
-        capacity=chip.hbm_bytes,
-        flops=prog.flops,
-        bytes=prog.bytes,
-        roofline_s=seconds,
-        tokens_per_s=prog.tokens / seconds,
-        donated=prog.donated,
-        mosaic=kernels,
-        note=prog.note,
-      )  # fmt: skip
-    )
-  return rows
+  return compile_tpu.compile_on_mesh(
+    program, model, gpus, mesh, chip, config, load, kernel=_TRITON, default_device=False
+  )
 
 
 def run(programs, models, gpus, config, load: compile_tpu.Workload, log=print):
@@ -262,7 +230,7 @@ def smoke_setup(config: ml_collections.ConfigDict):
 
 def markdown(rows, load: compile_tpu.Workload, config, command: str) -> str:
   """compile_tpu.markdown's table, per GPU, with Triton kernel counts."""
-  gib, num = 2.0**30, compile_tpu._num
+  gib = 2.0**30
   lines = [
     "# rlx programs compiled for NVIDIA GPUs (deviceless, real XLA GPU compiler)",
     "",
@@ -279,33 +247,10 @@ def markdown(rows, load: compile_tpu.Workload, config, command: str) -> str:
     "bytes of the state a program updates in place (the train state, the KV page pool), to "
     "compare with aliased; Triton: Pallas Triton kernel calls in the lowered program.",
     "",
-    "| program | model | GPUs | mesh d x f x t | status | compile s | args | outputs "
-    "| temps | aliased | donated | in use / capacity | Triton | TFLOP/GPU | GB/GPU "
-    "| roofline ms | bound | tokens/s |",
-    "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
   ]
-  for r in rows:
-    m = r.memory
-    mem = ["-"] * 4 + [num(r.donated / gib), "-", "-"]
-    if m:
-      mem = [num(m[k] / gib) for k in ("argument", "output", "temp", "alias")]
-      use = compile_tpu.in_use(m)
-      over = "" if use <= r.capacity else " (over)"
-      mem += [num(r.donated / gib), f"{num(use / gib)} / {r.capacity / gib:.0f}{over}"]
-      mem.append(str(r.mosaic))
-    chip = GPUS[parse_gpus(r.topology)[0]]
-    bound = "FLOPs" if r.flops / chip.bf16_flops >= r.bytes / chip.hbm_bandwidth else "HBM"
-    cells = [r.program, r.model, r.topology, r.mesh, r.status, f"{r.compile_s:.1f}", *mem]
-    cells += [num(r.flops / 1e12), num(r.bytes / 1e9), num(1e3 * r.roofline_s), bound]
-    cells.append(f"{r.tokens_per_s:,.0f}")
-    lines.append("| " + " | ".join(cells) + " |")
-  notes = {}
-  for r in rows:
-    if r.note:
-      notes.setdefault((r.program, r.model, r.note), []).append(r.topology)
-  if notes:
-    lines += ["", "Shapes per row:", ""]
-    lines += [f"- {p} ({m}, {', '.join(t)}): {n}" for (p, m, n), t in notes.items()]
+  chip_of = lambda spec: GPUS[parse_gpus(spec)[0]]  # noqa: E731
+  lines += compile_tpu.table_lines(rows, chip_of, target="GPUs", kernel="Triton", per="GPU")
+  lines += compile_tpu.notes_lines(rows)
   used = sorted({parse_gpus(r.topology)[0] for r in rows})
   lines += ["", "GPU peaks (per GPU, bf16 dense):", ""]
   lines += [

@@ -24,13 +24,17 @@ no chips), traced with abstract sharded params / state / batch
                                  JAX reward, advantages, log-probs and the train step
                                  in one program; every row needs a slot, so the
                                  sampler is sized by rlx's defaults (max_slots = rows,
-                                 num_pages = rows x pages per sequence).
+                                 num_pages = rows x pages per sequence); `_fp8`: with
+                                 rlx's FP8 rollout (W8A8 + FP8 KV; the params quantized
+                                 inside the program, the KV scales an input).
 
 The sampler and the fused step take the task's lengths and stop token from
 `ShapesTask` (GSM8K's prompt / answer lengths, the checkpoint's EOS; a JAX
 exact-match reward, since GSM8K's numeric check runs on the host). Reported:
 
-  status        "ok", or the compiler's error, shortened (e.g. out of HBM);
+  status        "ok", or the compiler's error, shortened; "out of memory: ..." where
+                it does not fit, the settings `rlx.train.OutOfMemoryError` lists for
+                it (remat, micro-batches, fsdp / tensor, pool size, ...) under the table;
   compile s     wall time of lower + compile on this host;
   HBM GiB       per chip, from `Compiled.memory_analysis()`: arguments,
                 outputs, temporaries, aliased (donated inputs reused as
@@ -83,6 +87,18 @@ Rerun (prints the markdown table; `--out` also writes it):
     --out=experiments/results/compile_tpu.md
 
 `--smoke` compiles one tiny model on v5e:2x2 (a few seconds per program).
+
+`--search` reports instead the largest size of each program that fits a chip, found
+by compiling (`search_largest`): the rows B of train_step, compute_logprobs and
+rl_step* (in multiples of mini x micro-batches x batch shards and of the group size),
+the page pool (num_pages, in multiples of 256) of the sampler's programs:
+
+  python experiments/compile_tpu.py --search --topologies=v5e:2x2,v5e:2x4 \
+    --models=qwen2.5-0.5b --programs=train_step,prefill,decode
+
+A shipped config compiles for the slice its docstring names with `--config`, e.g.
+`--config=experiments/configs/gsm8k_7b_v5p.py --models=qwen2.5-7b
+--topologies=v5p:2x2x1`.
 """
 
 import os
@@ -95,7 +111,8 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chips to guard
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import dataclasses  # noqa: E402 (after the libtpu environment)
+import contextlib  # noqa: E402 (after the libtpu environment)
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
@@ -116,7 +133,7 @@ _CONFIG_PATH = pathlib.Path(__file__).resolve().parent / "configs" / "gsm8k_hf.p
 
 PROGRAMS = (
   "train_step", "compute_logprobs", "prefill", "decode", "prefill_fp8kv", "decode_fp8kv",
-  "prefill_fp8", "decode_fp8", "fp8_matmul", "rl_step",
+  "prefill_fp8", "decode_fp8", "fp8_matmul", "rl_step", "rl_step_fp8",
 )  # fmt: skip
 # Sampler programs' rollout dtypes (`config.rollout.weight_dtype`, `config.rollout.kv_dtype`):
 # the config's bf16 KV pages, FP8 KV pages, and rlx's FP8 rollout (W8A8 linears + FP8 KV).
@@ -206,6 +223,7 @@ class Row:
   donated: int = 0  # per-chip bytes of the donated inputs (logical, unpadded)
   mosaic: int = 0  # Mosaic kernel call sites in the lowered program (StableHLO)
   note: str = ""  # the shapes a row stands for (sampler and matmul programs)
+  advice: tuple[str, ...] = ()  # rlx.train.OutOfMemoryError's advice, when it did not fit
 
 
 def define_flags() -> None:
@@ -222,6 +240,13 @@ def define_flags() -> None:
   )
   flags.DEFINE_string("out", None, "Optional file to write the markdown table to.")
   flags.DEFINE_bool("smoke", False, "One tiny model on v5e:2x2 (a few seconds).")
+  flags.DEFINE_bool(
+    "search",
+    False,
+    "Instead of the table: the largest rows (train_step, compute_logprobs, rl_step*) or "
+    "page pool (prefill*, decode*) of each program that fits a chip, found by compiling.",
+  )
+  flags.DEFINE_integer("max_probes", 7, "--search: compiles per program x model x topology.")
   config_flags.DEFINE_config_file("config", str(_CONFIG_PATH), "The RL config.")
 
 
@@ -475,6 +500,7 @@ class Program:
   donated: int = 0  # per-chip bytes of the state the program updates in place (donated)
   note: str = ""
   label: str = ""  # the row's program name, when one program has several rows
+  advice: tuple[str, ...] = ()  # what rlx's out-of-memory error lists (`memory_advice`)
 
 
 def _rl_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -499,12 +525,15 @@ def build_programs(
     if program == "train_step":
       step = train.make_train_step(mc, cfg, mesh)
       donated = _per_chip_bytes(state)
-      return [Program(lambda: step.jitted.trace(state, batch), flops, nbytes, tokens, donated)]
+      trace = lambda: step.jitted.trace(state, batch)  # noqa: E731
+      advice = step.memory_advice(load.rows)
+      return [Program(trace, flops, nbytes, tokens, donated, advice=advice)]
     logprobs = train.make_compute_logprobs(mc, cfg, mesh)
-    return [Program(lambda: logprobs.jitted.trace(state.params, batch), flops, nbytes, tokens)]
+    trace = lambda: logprobs.jitted.trace(state.params, batch)  # noqa: E731
+    return [Program(trace, flops, nbytes, tokens, advice=logprobs.memory_advice(load.rows))]
   task = shapes_task(model, load)
-  if program == "rl_step":
-    return [_rl_step_program(mc, config, load, mesh, task)]
+  if program.startswith("rl_step"):
+    return [_rl_step_program(mc, rollout_config(config, program), load, mesh, task)]
   sampler_config = rollout_config(config, program)
   kwargs = rl.sampler_kwargs(sampler_config, task, rows=load.rows, greedy=False)
   sampler = rl.make_sampler(mc, kwargs, mesh)
@@ -519,12 +548,14 @@ def build_programs(
     flops, nbytes, n = sampler_roofline("decode", mc, sampler, prompt_len)
     note = f"{pool}; {c.steps_per_sync} steps per call, roofline per step"
     trace = lambda: sampler.trace_decode(params, kv_scales=scales)  # noqa: E731
-    return [Program(trace, flops, nbytes, n, pool_bytes_per_chip(mc, sampler), note)]
+    pool_bytes, advice = sampler.pool_bytes_per_chip(), sampler.memory_advice()
+    return [Program(trace, flops, nbytes, n, pool_bytes, note, advice=advice)]
   flops, nbytes, n = sampler_roofline("prefill", mc, sampler, prompt_len)
   rows = sampling.scheduling.prefill_rows(c.max_slots)[-1]
   note = f"{pool}; widest call {rows} x {c.prefill_chunk} tokens"
   trace = lambda: sampler.trace_prefill(params, kv_scales=scales)  # noqa: E731
-  return [Program(trace, flops, nbytes, n, pool_bytes_per_chip(mc, sampler), note)]
+  pool_bytes, advice = sampler.pool_bytes_per_chip(), sampler.memory_advice()
+  return [Program(trace, flops, nbytes, n, pool_bytes, note, advice=advice)]
 
 
 def _fp8_matmul_programs(mc: policy.ModelConfig, sampler: sampling.Sampler) -> list[Program]:
@@ -580,6 +611,8 @@ def _rl_step_program(mc, config, load: Workload, mesh, task: ShapesTask) -> Prog
     state, state.params, np.zeros((n, width), np.int32), np.full((n,), width, np.int32),
     np.zeros((n, answer_width), np.int32), np.ones((n,), np.int32), jax.random.key(0),
   )  # fmt: skip
+  if step.fp8 is not None:  # FP8 rollout: this step's KV scales go in (None: bf16 KV)
+    args = (*args, kv_scales(mc, sampler))
   # Sampling: every row prefills its prompt and decodes max_new_tokens steps, each
   # streaming the weights and its K/V; then compute_logprobs and the train step.
   c, chips, shards = sampler.config, mesh.size, train.batch_axis_size(mesh)
@@ -603,50 +636,61 @@ def _rl_step_program(mc, config, load: Workload, mesh, task: ShapesTask) -> Prog
     f"{c.page_dtype(mc.compute_dtype)}), then compute_logprobs + train_step"
   )
   trace = lambda: step.jitted.trace(*args)  # noqa: E731
-  return Program(trace, flops, nbytes, load.rows * load.seq_len, _per_chip_bytes(state), note)
+  donated, advice = _per_chip_bytes(state), step.memory_advice(n)
+  return Program(trace, flops, nbytes, load.rows * load.seq_len, donated, note, advice=advice)
 
 
-def pool_bytes_per_chip(mc: policy.ModelConfig, sampler: sampling.Sampler) -> int:
-  """Per-chip bytes of the sampler's K and V page pools, `[L, Hkv, P, page, D]` each.
+def compile_program(
+  prog: Program, mesh, name: str, *, kernel: str = _MOSAIC, default_device: bool = True
+) -> tuple[dict[str, int], int]:
+  """Traces, lowers and compiles `prog`: (per-chip `memory_analysis` fields, kernel calls).
 
-  Replicated over the batch axes; KV heads split over "tensor" when it divides them.
+  `kernel` is the custom-call target counted in the lowered StableHLO (Mosaic's;
+  compile_cuda.py passes Triton's); `default_device` lowers with the mesh's first
+  device as JAX's default (Pallas' Mosaic lowering reads the TPU generation from it).
+
+  Raises:
+    rlx.train.OutOfMemoryError: it does not fit a chip (with `prog.advice`).
   """
-  c, mesh = sampler.config, sampler.mesh
-  tensor = mesh.shape.get(train.MESH_AXES[-1], 1)  # "tensor"
-  heads = mc.num_kv_heads // tensor if mc.num_kv_heads % tensor == 0 else mc.num_kv_heads
-  size = mc.num_layers * heads * c.num_pages * c.page_size * mc.head_dim
-  return 2 * size * jnp.dtype(c.page_dtype(mc.compute_dtype)).itemsize
+  traced = prog.trace()  # on the host CPU: a closed-over key or constant is made there
+  with jax.default_device(mesh.devices.flat[0]) if default_device else contextlib.nullcontext():
+    lowered = traced.lower()
+    kernels = lowered.as_text().count(f"@{kernel}")
+    with train.explain_out_of_memory(name, prog.advice):
+      compiled = lowered.compile()
+  stats = compiled.memory_analysis()
+  memory = {
+    k: int(getattr(stats, f"{k}_size_in_bytes"))
+    for k in ("argument", "output", "temp", "alias", "generated_code")
+  }
+  return memory, kernels
 
 
-def compile_one(program: str, model: str, topology: str, config, load: Workload) -> list[Row]:
-  """Builds, traces and compiles `program` for `topology`; never raises on compiler errors."""
-  mesh = make_topology_mesh(topology, load)
+def compile_on_mesh(
+  program: str, model: str, target: str, mesh, chip, config, load: Workload, **compile_kwargs
+) -> list[Row]:
+  """`program`'s rows compiled on `mesh` (devices of `target`, peaks `chip`); never raises.
+
+  A compiler error becomes the row's status; out of memory also gives rlx's advice.
+  `compile_kwargs` go to `compile_program`.
+  """
   layout = "x".join(str(mesh.shape[a]) for a in train.MESH_AXES)
-  chip = chip_spec(topology)
   rows = []
   for prog in build_programs(program, model, config, load, mesh):
     seconds = max(prog.flops / chip.bf16_flops, prog.bytes / chip.hbm_bandwidth)
     start = time.perf_counter()
-    memory, status, mosaic = {}, "ok", 0
+    memory, status, kernels, advice = {}, "ok", 0, ()
     try:
-      traced = prog.trace()  # on the host CPU: a closed-over key or constant is made there
-      # JAX's Mosaic lowering reads the TPU generation from the default device.
-      with jax.default_device(mesh.devices.flat[0]):
-        lowered = traced.lower()
-        mosaic = lowered.as_text().count(f"@{_MOSAIC}")
-        compiled = lowered.compile()
-      stats = compiled.memory_analysis()
-      memory = {
-        k: int(getattr(stats, f"{k}_size_in_bytes"))
-        for k in ("argument", "output", "temp", "alias", "generated_code")
-      }
+      memory, kernels = compile_program(prog, mesh, prog.label or program, **compile_kwargs)
+    except train.OutOfMemoryError as e:  # the compiler's line + what rlx advises
+      status, advice = "out of memory: " + _short_error(e.__cause__), e.advice
     except Exception as e:  # noqa: BLE001 (the compiler's error is the result)
       status = _short_error(e)
     rows.append(
       Row(
         program=prog.label or program,
         model=model,
-        topology=topology,
+        topology=target,
         mesh=layout,
         status=status,
         compile_s=time.perf_counter() - start,
@@ -657,11 +701,18 @@ def compile_one(program: str, model: str, topology: str, config, load: Workload)
         roofline_s=seconds,
         tokens_per_s=prog.tokens / seconds,
         donated=prog.donated,
-        mosaic=mosaic,
+        mosaic=kernels,
         note=prog.note,
+        advice=advice,
       )  # fmt: skip
     )
   return rows
+
+
+def compile_one(program: str, model: str, topology: str, config, load: Workload) -> list[Row]:
+  """Builds, traces and compiles `program` for `topology`; never raises on compiler errors."""
+  mesh = make_topology_mesh(topology, load)
+  return compile_on_mesh(program, model, topology, mesh, chip_spec(topology), config, load)
 
 
 def in_use(memory: dict[str, int]) -> int:
@@ -696,9 +747,233 @@ def smoke_setup(config: ml_collections.ConfigDict) -> tuple[ml_collections.Confi
   return config, Workload(rows=8, seq_len=64, fsdp=2, tensor=1, answer_len=32)
 
 
+# Programs whose largest size that fits `--search` finds: the batch's rows (B) for the train
+# programs and the fused step, the K/V page pool (num_pages) for the sampler's.
+ROW_PROGRAMS = ("train_step", "compute_logprobs", "rl_step", "rl_step_fp8")
+POOL_GRANULE = 256  # pages
+
+
+@dataclasses.dataclass
+class SearchRow:
+  """The largest size of one program x model x topology that compiles and fits a chip."""
+
+  program: str
+  model: str
+  topology: str
+  mesh: str
+  size: str  # "rows" or "num_pages"
+  configured: int
+  largest: int | None  # the largest size that fits (None: not even one granule)
+  smallest_failing: int | None  # the smallest size tried that does not fit (None: none)
+  largest_memory: dict[str, int]
+  capacity: float
+  probes: list[tuple[int, str]]  # (size, "fits" / "out of memory" / error) in probe order
+  seconds: float
+
+
+def _row_granule(config: ml_collections.ConfigDict, mesh) -> int:
+  """Rows B come in multiples of mini x micro-batches x batch shards and of the group size."""
+  train_rows = int(config.train.mini_batches) * int(config.train.micro_batches)
+  return int(np.lcm(train_rows * train.batch_axis_size(mesh), int(config.rl.num_samples)))
+
+
+def _sized(program: str, config, load: Workload, size: int):
+  """(config, load) with `program`'s searched size set to `size` rows or pages."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  if program in ROW_PROGRAMS:
+    config.rl.prompts_per_iteration = size // int(config.rl.num_samples)
+    return config, dataclasses.replace(load, rows=size)
+  config.sampler.num_pages = size
+  return config, load
+
+
+def largest_fitting(
+  probe: Any, start: int, capacity: float, max_probes: int
+) -> tuple[int | None, int | None]:
+  """(largest size that fits, smallest that does not) among the sizes `probe` tried.
+
+  `probe(n)` compiles size n (in granules, n >= 1) and returns its bytes in use, or
+  None when it does not compile for lack of memory; a size fits when that is at
+  most `capacity`. From `start`: halving to a fitting size (or doubling once to see
+  the slope), then the size where the line through the memory of the two largest
+  sizes compiled meets the capacity (bisecting where that falls past the bracket); it
+  stops when the bracket is one granule wide or after `max_probes` probes. None
+  stands for "not found": no size fits (largest), or every size tried fits (smallest).
+  """
+  measured: list[tuple[int, float]] = []  # (size, bytes in use) of every compiled probe
+  lo, hi, tried = None, None, 0
+
+  def fits(n: int) -> bool:
+    nonlocal tried
+    tried += 1
+    use = probe(n)
+    if use is not None:
+      measured.append((n, use))
+    return use is not None and use <= capacity
+
+  n = max(1, int(start))
+  while tried < max_probes:
+    if lo is not None and hi is not None and hi - lo <= 1:
+      break
+    if fits(n):
+      lo = n
+    else:
+      hi = n
+      if lo is None and n == 1:
+        break
+    if lo is None:
+      n = max(1, hi // 2)
+      continue
+    guess = None
+    if len(measured) >= 2:
+      (n_a, u_a), (n_b, u_b) = sorted(measured)[-2:]
+      slope = (u_b - u_a) / (n_b - n_a)
+      guess = int(n_b + (capacity - u_b) / slope) if slope > 0 else None
+    if hi is None:
+      n = max(lo + 1, guess if guess is not None else 2 * lo)
+    elif guess is None or guess >= hi:
+      n = (lo + hi) // 2
+    else:
+      n = min(max(guess, lo + 1), hi - 1)
+  return lo, hi
+
+
+def search_largest(
+  program: str,
+  model: str,
+  topology: str,
+  config,
+  load: Workload,
+  *,
+  max_probes: int = 7,
+  log=print,
+) -> SearchRow:
+  """The largest rows (train programs) or page pool (sampler) of `program` that fits a chip.
+
+  Sizes are whole granules (rows: `_row_granule`; pages: `POOL_GRANULE`), searched from
+  the config's by `largest_fitting`. A size fits when it compiles (the TPU compiler
+  rejects a program over its HBM: `rlx.train.OutOfMemoryError`) and its memory in use
+  (`in_use`) is at most the chip's capacity.
+  """
+  start = time.perf_counter()
+  mesh = make_topology_mesh(topology, load)
+  layout = "x".join(str(mesh.shape[a]) for a in train.MESH_AXES)
+  capacity = chip_spec(topology).hbm_bytes
+  rows_kind = program in ROW_PROGRAMS
+  granule = _row_granule(config, mesh) if rows_kind else POOL_GRANULE
+  configured = load.rows if rows_kind else int(config.sampler.num_pages)
+  probes: list[tuple[int, str]] = []
+  memories: dict[int, dict[str, int]] = {}
+
+  def probe(n: int) -> int | None:
+    sized_config, sized_load = _sized(program, config, load, n * granule)
+    (prog,) = [
+      p for p in build_programs(program, model, sized_config, sized_load, mesh)
+      if (p.label or program) == program
+    ]  # fmt: skip
+    try:
+      memory, _ = compile_program(prog, mesh, program)
+    except train.OutOfMemoryError:
+      probes.append((n * granule, "out of memory"))
+      log(f"search {program} {model} {topology}: {n * granule} out of memory")
+      return None
+    use = in_use(memory)
+    probes.append((n * granule, f"{use / 2**30:.3g} GiB"))
+    log(f"search {program} {model} {topology}: {n * granule} in use {use / 2**30:.2f} GiB")
+    memories[n] = memory
+    return use
+
+  lo, hi = None, None
+  try:
+    lo, hi = largest_fitting(probe, configured // granule, capacity, max_probes)
+  except Exception as e:  # noqa: BLE001 (a compiler error other than memory ends the search)
+    probes.append((-1, _short_error(e)))
+  return SearchRow(
+    program=program, model=model, topology=topology, mesh=layout,
+    size="rows" if rows_kind else "num_pages", configured=configured,
+    largest=None if lo is None else lo * granule,
+    smallest_failing=None if hi is None else hi * granule,
+    largest_memory=memories.get(lo, {}), capacity=capacity, probes=probes,
+    seconds=time.perf_counter() - start,
+  )  # fmt: skip
+
+
+def search_markdown(rows: list[SearchRow], config, command: str) -> str:
+  """The `--search` table."""
+  gib = 2.0**30
+  lines = [
+    "| program | model | topology | mesh d x f x t | size | config | largest that fits "
+    "| smallest that does not | in use at largest / capacity | probes | search s |",
+    "|---|---|---|---|---|---:|---:|---:|---:|---|---:|",
+  ]
+  for r in rows:
+    use = (
+      f"{_num(in_use(r.largest_memory) / gib)} / {r.capacity / gib:.0f}"
+      if r.largest_memory
+      else "-"
+    )
+    probes = ", ".join(f"{n}: {status}" if n >= 0 else status for n, status in r.probes)
+    cells = [r.program, r.model, r.topology, r.mesh, r.size, str(r.configured)]
+    cells += [str(r.largest or "none"), str(r.smallest_failing or "none tried"), use, probes]
+    cells.append(f"{r.seconds:.0f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", f"Rerun: `{command}`", ""]
+  return "\n".join(lines)
+
+
 def _num(x: float) -> str:
   """3 significant digits, without exponents for values >= 100 (e.g. 1,580)."""
   return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def table_lines(
+  rows: list[Row], chip_of, *, target: str = "topology", kernel: str = "Mosaic", per: str = "chip"
+) -> list[str]:
+  """The markdown table of `rows` (header and one line per row); `chip_of(target)` peaks."""
+  gib = 2.0**30
+  lines = [
+    f"| program | model | {target} | mesh d x f x t | status | compile s | args | outputs "
+    f"| temps | aliased | donated | in use / capacity | {kernel} | TFLOP/{per} | GB/{per} "
+    "| roofline ms | bound | tokens/s |",
+    "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+  ]
+  for r in rows:
+    m = r.memory
+    mem = ["-"] * 4 + [_num(r.donated / gib), "-", "-"]
+    if m:
+      mem = [_num(m[k] / gib) for k in ("argument", "output", "temp", "alias")]
+      use = in_use(m)
+      over = "" if use <= r.capacity else " (over)"
+      mem += [_num(r.donated / gib), f"{_num(use / gib)} / {r.capacity / gib:.0f}{over}"]
+      mem.append(str(r.mosaic))
+    chip = chip_of(r.topology)
+    bound = "FLOPs" if r.flops / chip.bf16_flops >= r.bytes / chip.hbm_bandwidth else "HBM"
+    cells = [r.program, r.model, r.topology, r.mesh, r.status, f"{r.compile_s:.1f}", *mem]
+    cells += [_num(r.flops / 1e12), _num(r.bytes / 1e9), _num(1e3 * r.roofline_s), bound]
+    cells.append(f"{r.tokens_per_s:,.0f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
+def notes_lines(rows: list[Row]) -> list[str]:
+  """The shapes each row stands for, and rlx's advice for the rows out of memory."""
+  lines = []
+  notes = {}
+  for r in rows:
+    if r.note:
+      notes.setdefault((r.program, r.model, r.note), []).append(r.topology)
+  if notes:
+    lines += ["", "Shapes per row:", ""]
+    lines += [f"- {p} ({m}, {', '.join(t)}): {n}" for (p, m, n), t in notes.items()]
+  advised: dict[tuple[str, ...], list[str]] = {}
+  for r in rows:
+    if r.advice:
+      advised.setdefault(r.advice, []).append(f"{r.program} {r.model} {r.topology}")
+  if advised:
+    lines += ["", "What rlx's `rlx.train.OutOfMemoryError` lists for the rows out of memory:"]
+    for advice, where in advised.items():
+      lines += ["", f"- {', '.join(where)}:"] + [f"  - {a}" for a in advice]
+  return lines
 
 
 def markdown(rows: list[Row], load: Workload, config, command: str) -> str:
@@ -718,33 +993,9 @@ def markdown(rows: list[Row], load: Workload, config, command: str) -> str:
     "KV page pool; logical, before TPU tile padding), to compare with aliased; Mosaic: Pallas "
     "TPU kernel calls in the lowered program.",
     "",
-    "| program | model | topology | mesh d x f x t | status | compile s | args | outputs "
-    "| temps | aliased | donated | in use / capacity | Mosaic | TFLOP/chip | GB/chip "
-    "| roofline ms | bound | tokens/s |",
-    "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
   ]
-  for r in rows:
-    m = r.memory
-    mem = ["-"] * 4 + [_num(r.donated / gib), "-", "-"]
-    if m:
-      mem = [_num(m[k] / gib) for k in ("argument", "output", "temp", "alias")]
-      use = in_use(m)
-      over = "" if use <= r.capacity else " (over)"
-      mem += [_num(r.donated / gib), f"{_num(use / gib)} / {r.capacity / gib:.0f}{over}"]
-      mem.append(str(r.mosaic))
-    chip = chip_spec(r.topology)
-    bound = "FLOPs" if r.flops / chip.bf16_flops >= r.bytes / chip.hbm_bandwidth else "HBM"
-    cells = [r.program, r.model, r.topology, r.mesh, r.status, f"{r.compile_s:.1f}", *mem]
-    cells += [_num(r.flops / 1e12), _num(r.bytes / 1e9), _num(1e3 * r.roofline_s), bound]
-    cells.append(f"{r.tokens_per_s:,.0f}")
-    lines.append("| " + " | ".join(cells) + " |")
-  notes = {}
-  for r in rows:
-    if r.note:
-      notes.setdefault((r.program, r.model, r.note), []).append(r.topology)
-  if notes:
-    lines += ["", "Shapes per row:", ""]
-    lines += [f"- {p} ({m}, {', '.join(t)}): {n}" for (p, m, n), t in notes.items()]
+  lines += table_lines(rows, chip_spec)
+  lines += notes_lines(rows)
   lines += ["", "Chip peaks (per chip, bf16 dense):", ""]
   lines += [
     f"- {name}: {c.bf16_flops / 1e12:.0f} TFLOP/s, {c.hbm_bandwidth / 1e9:.0f} GB/s HBM, "
@@ -772,9 +1023,17 @@ def main(argv):
     bad = sorted(set(values) - set(known))
     if bad:
       raise app.UsageError(f"{name}: unknown {bad}; choose from {list(known)}.")
-  rows = run(programs, models, topologies, config, load, log=lambda s: print(s, file=sys.stderr))
+  log = lambda s: print(s, file=sys.stderr)  # noqa: E731
   command = "python " + " ".join(["experiments/compile_tpu.py"] + sys.argv[1:])
-  table = markdown(rows, load, config, command)
+  if f.search:
+    searched = [
+      search_largest(p, m, t, config, load, max_probes=f.max_probes, log=log)
+      for m in models for t in topologies for p in programs if p != "fp8_matmul"
+    ]  # fmt: skip
+    table = search_markdown(searched, config, command)
+  else:
+    rows = run(programs, models, topologies, config, load, log=log)
+    table = markdown(rows, load, config, command)
   print(table)
   if f.out:
     pathlib.Path(f.out).write_text(table)

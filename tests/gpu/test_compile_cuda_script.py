@@ -1,8 +1,9 @@
 """experiments/compile_cuda.py: deviceless CUDA compiles of rlx's programs (no GPU needed).
 
 The target-config tests run everywhere; the compile tests need the CUDA PJRT plugin
-(`pip install jax-cuda12-plugin==0.10.2`, or rlx's `cuda` extra) and `ptxas` (the
-`nvidia-cuda-nvcc-cu12` wheel or a CUDA toolkit), and skip without them. One
+and `ptxas` (`pip install -e ".[cuda-compile]"`: jax-cuda12-plugin 0.10.2 and the
+`nvidia-cuda-nvcc-cu12` wheel; or a CUDA toolkit), and skip without them (CI installs
+only the dev and tpu extras). One
 module-wide `--smoke` run compiles every program of a tiny model on 2 H200.
 """
 
