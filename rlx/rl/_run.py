@@ -238,53 +238,60 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   ckpt = train.Checkpointer(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
   )
-  base_key = jax.random.PRNGKey(config.seed)
-  rollout_key = jax.random.fold_in(base_key, 1)
-  # The fused RL program compiles in a thread while the warm-up trains.
-  driver.compile_ahead(abstract, jax.random.fold_in(rollout_key, 0))
+  log = None
+  try:  # the checkpointer (and metrics log) close even when an iteration raises
+    base_key = jax.random.PRNGKey(config.seed)
+    rollout_key = jax.random.fold_in(base_key, 1)
+    # The fused RL program compiles in a thread while the warm-up trains.
+    driver.compile_ahead(abstract, jax.random.fold_in(rollout_key, 0))
 
-  # --- warm-up (this run's, cached; or reused from another run) ---
-  warm = _warmstart.warm_start(
-    config,
-    workdir,
-    init_params=parts.init_params,
-    model_config=parts.model_config,
-    train_cfg=learner.train_config,
-    mesh=parts.mesh,
-    task=parts.task,
-    abstract=abstract,
-    evaluate=parts.evaluate,
-    seq_len=driver.width,
-    open_log=lambda: _logging.MetricsLog(
+    # --- warm-up (this run's, cached; or reused from another run) ---
+    warm = _warmstart.warm_start(
+      config,
       workdir,
-      resume_iteration=None,
-      tensorboard=config.log.tensorboard,
-      tensorboard_subdir="warmup",
-    ),
-    progress=notes,
-  )
-  ref_params = jax.tree.map(jnp.copy, warm.state.params) if learner.uses_ref else None
-  parts.warm_info = warm.info
+      init_params=parts.init_params,
+      model_config=parts.model_config,
+      train_cfg=learner.train_config,
+      mesh=parts.mesh,
+      task=parts.task,
+      abstract=abstract,
+      evaluate=parts.evaluate,
+      seq_len=driver.width,
+      open_log=lambda: _logging.MetricsLog(
+        workdir,
+        resume_iteration=None,
+        tensorboard=config.log.tensorboard,
+        tensorboard_subdir="warmup",
+      ),
+      progress=notes,
+    )
+    ref_params = jax.tree.map(jnp.copy, warm.state.params) if learner.uses_ref else None
+    parts.warm_info = warm.info
 
-  # --- RL (resumable) ---
-  latest = ckpt.latest_step()
-  loop = _Loop(
-    state=warm.state,
-    cursor={"source": None, "iteration": 0, "rl_time_s": 0.0, "elapsed_s": 0.0, "stop": None},
-  )
-  extra = None
-  if latest is not None:
-    restored = ckpt.restore(abstract)
-    loop = _Loop(state=restored.state, cursor=restored.data_cursor)
-    extra = restored.extra or {}
-    loop.best_params = extra.get("best_params")
-  del warm
-  driver.start(loop.state, extra, loop.cursor["source"], resumed=latest is not None)
-  driver.wait_ahead(notes)
-  start = int(loop.cursor["iteration"])
-  log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
-  _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start)
-  ckpt.close()
+    # --- RL (resumable) ---
+    latest = ckpt.latest_step()
+    loop = _Loop(
+      state=warm.state,
+      cursor={"source": None, "iteration": 0, "rl_time_s": 0.0, "elapsed_s": 0.0, "stop": None},
+    )
+    extra = None
+    if latest is not None:
+      restored = ckpt.restore(abstract)
+      loop = _Loop(state=restored.state, cursor=restored.data_cursor)
+      extra = restored.extra or {}
+      loop.best_params = extra.get("best_params")
+    del warm
+    driver.start(loop.state, extra, loop.cursor["source"], resumed=latest is not None)
+    driver.wait_ahead(notes)
+    start = int(loop.cursor["iteration"])
+    log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
+    _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start)
+  except BaseException:
+    if log is not None:
+      log.close()
+    raise
+  finally:
+    ckpt.close()
   summary = _summary(config, workdir, parts, loop, start if latest is not None else None)
   this_process = time.perf_counter() - wall_start
   # Time of earlier processes up to their last checkpoint + this process.

@@ -154,3 +154,27 @@ def test_a_workdir_keeps_its_record(straight, tmp_path):
     assert f.read() == before
   assert again == json.loads(before)
   assert again["accuracy_after"] == summary["accuracy_after"]
+
+
+def test_an_iteration_that_raises_closes_the_checkpointer_and_log(tmp_path, monkeypatch):
+  from rlx.rl import _logging, _run  # noqa: PLC0415
+
+  closed = []
+  for cls in (train.Checkpointer, _logging.MetricsLog):
+    original = cls.close
+
+    def close(self, original=original):
+      closed.append(str(getattr(self, "directory", type(self).__name__)))
+      return original(self)
+
+    monkeypatch.setattr(cls, "close", close)
+
+  def broken_loop(config, loop, parts, *args):
+    raise RuntimeError("an iteration failed")
+
+  monkeypatch.setattr(_run, "_rl_loop", broken_loop)
+  rl_test_utils.register_test_tasks()
+  with pytest.raises(RuntimeError, match="an iteration failed"):
+    rl.run(rl_test_utils.run_config(), str(tmp_path))
+  # The run's RL checkpointer (a warm-up has its own) and its metrics log.
+  assert closed.count(str(tmp_path / "checkpoints")) == 1 and "MetricsLog" in closed, closed
