@@ -211,15 +211,8 @@ def compile_one(
 
 
 def run(programs, models, gpus, config, load: compile_tpu.Workload, log=print):
-  """Every program x model x GPU set, in that nesting order."""
-  rows = []
-  for model in models:
-    for spec in gpus:
-      for program in programs:
-        for row in compile_one(program, model, spec, config, load):
-          log(f"{program} {model} {spec}: {row.status} ({row.compile_s:.1f} s) {row.note}")
-          rows.append(row)
-  return rows
+  """Every program x model x GPU set, in that nesting order (compile_tpu's `run`)."""
+  return compile_tpu.run(programs, models, gpus, config, load, log=log, compile_fn=compile_one)
 
 
 def smoke_setup(config: ml_collections.ConfigDict):

@@ -80,11 +80,12 @@ task.gsm8k.max_answer_len, its train config (micro/mini-batches, PPO epochs,
 loss), its sampler (slots, pages, steps_per_sync), bf16 params, and mesh fsdp =
 min(mesh.fsdp, chips), data = the rest.
 
-Rerun (prints the markdown table; `--out` also writes it):
+Run (prints the markdown table; `--out` also writes it); with no flags, every program of
+every model on every topology:
 
-  python experiments/compile_tpu.py \
-    --topologies=v5e:2x2,v6e:2x4 --models=qwen2.5-0.5b \
-    --out=experiments/results/compile_tpu.md
+  python experiments/compile_tpu.py --topologies=v5e:2x4,v5p:2x2x1 --models=qwen2.5-0.5b
+
+experiments/results/compile_tpu.md gathers several runs, each table under its command.
 
 `--smoke` compiles one tiny model on v5e:2x2 (a few seconds per program).
 
@@ -724,14 +725,25 @@ def in_use(memory: dict[str, int]) -> int:
 
 
 def run(
-  programs, models, topologies, config: ml_collections.ConfigDict, load: Workload, log=print
+  programs,
+  models,
+  topologies,
+  config: ml_collections.ConfigDict,
+  load: Workload,
+  log=print,
+  compile_fn=None,
 ) -> list[Row]:
-  """Every program x model x topology, in that nesting order."""
+  """Every program x model x topology, in that nesting order.
+
+  `compile_fn(program, model, topology, config, load) -> rows` (default `compile_one`;
+  compile_cuda.py passes its own, with GPU sets as topologies).
+  """
+  compile_fn = compile_fn or compile_one
   rows = []
   for model in models:
     for topology in topologies:
       for program in programs:
-        for row in compile_one(program, model, topology, config, load):
+        for row in compile_fn(program, model, topology, config, load):
           log(f"{program} {model} {topology}: {row.status} ({row.compile_s:.1f} s) {row.note}")
           rows.append(row)
   return rows

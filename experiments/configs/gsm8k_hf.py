@@ -11,6 +11,14 @@ The checkpoint directory holds config.json, *.safetensors and the tokenizer;
 the data files are JSONL or Parquet records with `question` / `answer` fields
 (GSM8K's "#### 42" solutions). The reward is the task's numeric answer check
 on the host (no warm-up: the model is pretrained).
+
+Sized for Qwen2.5-0.5B on 8 accelerators (data 2 x fsdp 4). Compiled without chips
+for TPU v5e:2x4 and v6e:2x4 (and v5e:2x2 / v5p:2x2x1 as fsdp 4) with 256-token
+prompts, every program fits (experiments/results/compile_tpu.md; rerun:
+`python experiments/compile_tpu.py --models=qwen2.5-0.5b --topologies=v5e:2x4`):
+the train step holds 8.63 of 16 GiB per v5e chip, and on 1 or 8 H200
+(experiments/results/compile_cuda.md) 106 / 10 GiB of 131. Larger models:
+experiments/configs/gsm8k_v5e.py (1.5B), gsm8k_7b_v5p.py (7B).
 """
 
 from rlx import rl

@@ -8,6 +8,7 @@ then checks of its statuses, donation and kernels.
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "compile_tpu.py"
@@ -102,6 +103,11 @@ def test_fp8_matmul_and_fused_step_compile(compile_tpu, smoke_rows):
   assert fused.donated == step.donated > 0  # the train state
   assert fused.donated <= fused.memory["alias"] <= 1.01 * fused.donated  # tiles pad a few
   assert fused.flops > step.flops + rows["compute_logprobs"].flops
+  # FP8 rollout inside the fused step: the W8A8 matmul kernels besides the attention's.
+  fp8 = rows["rl_step_fp8"]
+  assert fp8.status == "ok", fp8.status
+  assert fp8.mosaic > fused.mosaic and fp8.donated == step.donated
+  assert "float8_e4m3fn" in fp8.note and fp8.bytes < fused.bytes
 
 
 def test_workload_follows_the_gsm8k_config(compile_tpu):
@@ -117,3 +123,72 @@ def test_workload_follows_the_gsm8k_config(compile_tpu):
   assert compile_tpu.model_config("qwen3-8b", config).qk_norm
   with pytest.raises(ValueError, match="Unknown model"):
     compile_tpu.model_config("gpt2", config)
+
+
+def test_out_of_memory_row_gives_the_compilers_line_and_rlx_advice(compile_tpu, v5e_2x2):
+  config, load = compile_tpu.smoke_setup(compile_tpu.default_config())
+  config.sampler.num_pages = 2**21  # a K/V pool of 2M pages: more than a v5e chip holds
+  (row,) = compile_tpu.compile_one("decode", "tiny", "v5e:2x2", config, load)
+  assert row.status.startswith("out of memory: JaxRuntimeError: RESOURCE_EXHAUSTED"), row.status
+  assert row.memory == {}
+  assert any(line.startswith("sampler.num_pages (now 2097152 pages") for line in row.advice)
+  assert any("rollout.kv_dtype = 'fp8_e4m3'" in line for line in row.advice)
+  table = compile_tpu.markdown([row], load, config, "cmd")
+  assert "rlx.train.OutOfMemoryError" in table and "- decode tiny v5e:2x2:" in table
+
+
+def test_largest_fitting_finds_the_boundary_of_a_linear_memory():
+  spec = importlib.util.spec_from_file_location("compile_tpu_search", _PATH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  capacity = 100.0
+  for base, slope, start in ((10.0, 3.0, 4), (50.0, 0.5, 200), (1.0, 7.0, 1), (90.0, 20.0, 3)):
+    tried = []
+
+    def probe(n, base=base, slope=slope, tried=tried):
+      tried.append(n)
+      use = base + slope * n
+      return None if use > 1.2 * capacity else use  # far over: the compiler refuses it
+
+    lo, hi = module.largest_fitting(probe, start, capacity, max_probes=12)
+    largest = int((capacity - base) // slope)
+    assert (lo, hi) == ((largest, largest + 1) if largest >= 1 else (None, 1)), (base, slope)
+    assert len(tried) <= 7, tried
+  # Nothing fits: (None, 1); every probe fits within the budget: (largest tried, None).
+  assert module.largest_fitting(lambda n: None, 8, capacity, 10) == (None, 1)
+  lo, hi = module.largest_fitting(lambda n: 1.0, 2, capacity, 3)
+  assert hi is None and lo > 2
+
+
+def test_search_finds_the_largest_page_pool(compile_tpu, v5e_2x2):
+  config, load = compile_tpu.smoke_setup(compile_tpu.default_config())
+  config.sampler.num_pages = 512
+  r = compile_tpu.search_largest("decode", "tiny", "v5e:2x2", config, load, max_probes=4)
+  assert (r.size, r.configured, len(r.probes)) == ("num_pages", 512, 4)
+  assert r.largest >= 512 and r.smallest_failing > r.largest
+  assert r.largest % compile_tpu.POOL_GRANULE == 0
+  assert compile_tpu.in_use(r.largest_memory) <= r.capacity
+  table = compile_tpu.search_markdown([r], config, "cmd")
+  assert f"| decode | tiny | v5e:2x2 | 2x2x1 | num_pages | 512 | {r.largest} |" in table
+
+
+_CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
+
+
+@pytest.mark.parametrize("name", ["gsm8k_v5e", "gsm8k_7b_v5p"])
+def test_tpu_configs_name_the_slice_they_were_compiled_for(compile_tpu, name):
+  spec = importlib.util.spec_from_file_location(name, _CONFIGS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  model, topology = module.COMPILED_FOR["model"], module.COMPILED_FOR["topology"]
+  assert model in compile_tpu.HF_CONFIGS and topology.split(":")[0] in compile_tpu.CHIPS
+  config = module.get_config()
+  chips = int(np.prod([int(d) for d in topology.split(":")[1].split("x")]))
+  assert config.mesh.data * config.mesh.fsdp * config.mesh.tensor == chips
+  assert topology in module.__doc__
+  rerun = f"--config=experiments/configs/{name}.py\n--models={model} --topologies={topology}"
+  assert rerun in module.__doc__
+  results = (_PATH.parent / "results" / "compile_tpu.md").read_text()
+  assert f"--config=experiments/configs/{name}.py --models={model} --topologies={topology}" in (
+    results
+  )
