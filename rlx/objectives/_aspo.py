@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import (
   check_greater,
   check_range,
@@ -13,9 +12,9 @@ from rlx.objectives._checks import (
   clip,
   is_concrete,
 )
-from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
+from rlx.objectives._metrics import PolicyLossMetrics
 from rlx.objectives._policy_inputs import (
-  apply_is_weights,
+  clipped_loss_result,
   clipped_surrogate,
   prepare_policy_inputs,
 )
@@ -151,15 +150,8 @@ def aspo_loss(
   # A <= 0: PPO lower clip, soft dual clip above c.
   negative = clipped_surrogate(ratio, clip(ratio, low, high), adv)
   negative = jnp.where(ratio > dual_clip, -adv * dual_clip * soft, negative)
-  per_token = apply_is_weights(jnp.where(adv > 0, positive, negative), x.is_weights)
-  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
-  metrics = policy_loss_metrics(
-    x.valid,
-    log_ratio=log_ratio,
-    ratio=ratio,
-    clipped_low=(adv < 0) & (ratio < low),
-    clipped_high=(adv > 0) & (ratio > high),
-    clipped_dual=clipped_dual,
-    is_weights=x.is_weights,
+  per_token = jnp.where(adv > 0, positive, negative)
+  below, above = ratio < low, ratio > high
+  return clipped_loss_result(
+    x, per_token, log_ratio, ratio, below=below, above=above, clipped_dual=clipped_dual
   )
-  return loss, metrics

@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import check_non_negative, check_range
-from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
-from rlx.objectives._policy_inputs import apply_is_weights, prepare_policy_inputs
+from rlx.objectives._metrics import PolicyLossMetrics
+from rlx.objectives._policy_inputs import policy_loss_result, prepare_policy_inputs
 from rlx.objectives._ratios import masked_log_ratio
 
 
@@ -64,14 +63,7 @@ def cispo_loss(
   ratio = jnp.exp(log_ratio)
   low, high = 1.0 - clip_low, 1.0 + clip_high
   weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))
-  per_token = apply_is_weights(-weight * x.advantages * x.logp, x.is_weights)
-  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
-  metrics = policy_loss_metrics(
-    x.valid,
-    log_ratio=log_ratio,
-    ratio=ratio,
-    clipped_low=ratio < low,
-    clipped_high=ratio > high,
-    is_weights=x.is_weights,
+  per_token = -weight * x.advantages * x.logp
+  return policy_loss_result(
+    x, per_token, log_ratio, ratio, clipped_low=ratio < low, clipped_high=ratio > high
   )
-  return loss, metrics

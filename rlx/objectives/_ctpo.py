@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import (
   as_mask,
   check_choice,
@@ -14,11 +13,11 @@ from rlx.objectives._checks import (
   check_token_arrays,
   clip,
 )
-from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
+from rlx.objectives._metrics import PolicyLossMetrics
 from rlx.objectives._policy_inputs import (
-  apply_dual_clip,
-  apply_is_weights,
+  clipped_loss_result,
   clipped_surrogate,
+  dual_clip_tokens,
   prepare_policy_inputs,
 )
 from rlx.objectives._ratios import masked_log_ratio
@@ -143,17 +142,9 @@ def ctpo_loss(
   per_token = clipped_surrogate(ratio, clipped_ratio, adv)
   clipped_dual = None
   if dual_clip is not None:
-    per_token = apply_dual_clip(per_token, adv, jnp.exp(dual_clip * scale))
-    clipped_dual = (adv < 0) & (log_r > dual_clip * scale)
-  per_token = apply_is_weights(per_token, x.is_weights)
-  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
-  metrics = policy_loss_metrics(
-    x.valid,
-    log_ratio=log_ratio,
-    ratio=ratio,
-    clipped_low=(adv < 0) & (log_r < log_low),
-    clipped_high=(adv > 0) & (log_r > log_high),
-    clipped_dual=clipped_dual,
-    is_weights=x.is_weights,
+    log_cap = dual_clip * scale
+    per_token, clipped_dual = dual_clip_tokens(per_token, adv, jnp.exp(log_cap), log_r > log_cap)
+  below, above = log_r < log_low, log_r > log_high
+  return clipped_loss_result(
+    x, per_token, log_ratio, ratio, below=below, above=above, clipped_dual=clipped_dual
   )
-  return loss, metrics

@@ -5,11 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
 
-from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import check_ratio_clips, clip
-from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
+from rlx.objectives._metrics import PolicyLossMetrics
 from rlx.objectives._policy_inputs import (
-  apply_is_weights,
+  clipped_loss_result,
   clipped_surrogate,
   prepare_policy_inputs,
   token_clip_bound,
@@ -73,14 +72,5 @@ def gspo_loss(
   w = jnp.exp(log_w)
   low, high = 1.0 - clip_low, 1.0 + clip_high
   per_token = clipped_surrogate(w, clip(w, low, high), adv)
-  per_token = apply_is_weights(per_token, x.is_weights)
-  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
-  metrics = policy_loss_metrics(
-    x.valid,
-    log_ratio=masked_log_ratio(x.logp, x.old_logp, x.valid),
-    ratio=w,
-    clipped_low=(adv < 0) & (w < low),
-    clipped_high=(adv > 0) & (w > high),
-    is_weights=x.is_weights,
-  )
-  return loss, metrics
+  log_ratio = masked_log_ratio(x.logp, x.old_logp, x.valid)
+  return clipped_loss_result(x, per_token, log_ratio, w, below=w < low, above=w > high)

@@ -230,10 +230,5 @@ def m2po_loss(
     min_clip_high=min_clip_high,
   )
   return clipped_policy_loss(
-    x,
-    clip_low=bounds.clip_low,
-    clip_high=bounds.clip_high,
-    dual_clip=None,
-    agg=agg,
-    agg_scale=agg_scale,
+    x, clip_low=bounds.clip_low, clip_high=bounds.clip_high, dual_clip=None
   )

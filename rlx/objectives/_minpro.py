@@ -4,15 +4,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from rlx.objectives._aggregate import aggregate
-from rlx.objectives._checks import check_flag, check_ratio_clips, clip
-from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
-from rlx.objectives._policy_inputs import (
-  apply_dual_clip,
-  apply_is_weights,
-  clipped_surrogate,
-  prepare_policy_inputs,
-)
+from rlx.objectives._checks import check_flag, check_ratio_clips
+from rlx.objectives._metrics import PolicyLossMetrics
+from rlx.objectives._policy_inputs import prepare_policy_inputs
+from rlx.objectives._ppo import clipped_policy_loss
 from rlx.objectives._ratios import masked_log_ratio, masked_min_prefix
 
 
@@ -76,28 +71,11 @@ def minpro_loss(
   x = prepare_policy_inputs(
     logp, old_logp, advantages, mask, is_weights=is_weights, agg=agg, agg_scale=agg_scale
   )
-  adv = x.advantages
   log_ratio = masked_log_ratio(x.logp, x.old_logp, x.valid)
   log_prefix = masked_min_prefix(jax.lax.stop_gradient(log_ratio), x.valid, inclusive=inclusive)
   if cap_prefix:
     log_prefix = jnp.minimum(log_prefix, 0.0)
   prefix = jnp.exp(log_prefix)
-  ratio = jnp.exp(log_ratio)
-  low, high = 1.0 - clip_low, 1.0 + clip_high
-  per_token = clipped_surrogate(ratio, clip(ratio, low, high), adv)
-  clipped_dual = None
-  if dual_clip is not None:
-    per_token = apply_dual_clip(per_token, adv, dual_clip)
-    clipped_dual = (adv < 0) & (ratio > dual_clip)
-  per_token = apply_is_weights(prefix * per_token, x.is_weights)
-  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
-  metrics = policy_loss_metrics(
-    x.valid,
-    log_ratio=log_ratio,
-    ratio=prefix * ratio,
-    clipped_low=(adv < 0) & (ratio < low),
-    clipped_high=(adv > 0) & (ratio > high),
-    clipped_dual=clipped_dual,
-    is_weights=x.is_weights,
+  return clipped_policy_loss(
+    x, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, token_weight=prefix
   )
-  return loss, metrics

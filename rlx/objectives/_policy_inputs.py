@@ -1,12 +1,12 @@
 """Validation and sanitising of the data arrays every policy loss takes."""
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx.objectives._aggregate import AGG_MODES
+from rlx.objectives._aggregate import AGG_MODES, aggregate
 from rlx.objectives._checks import (
   as_f32,
   as_mask,
@@ -15,10 +15,11 @@ from rlx.objectives._checks import (
   check_token_arrays,
   where_mask,
 )
+from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
 
 
 class PolicyInputs(NamedTuple):
-  """Float32 `[B, T]` loss inputs, 0 at masked positions.
+  """Float32 `[B, T]` loss inputs, 0 at masked positions, and the checked aggregation.
 
   Only `logp` carries gradient; `old_logp`, `advantages` and `is_weights` are
   detached, so a loss never differentiates through them.
@@ -29,6 +30,8 @@ class PolicyInputs(NamedTuple):
   advantages: jax.Array
   valid: jax.Array  # bool [B, T]
   is_weights: jax.Array | None
+  agg: str
+  agg_scale: Any
 
 
 def prepare_policy_inputs(
@@ -72,6 +75,8 @@ def prepare_policy_inputs(
     advantages=sg(clean(advantages)),
     valid=valid,
     is_weights=None if is_weights is None else sg(clean(is_weights)),
+    agg=agg,
+    agg_scale=agg_scale,
   )
 
 
@@ -113,3 +118,63 @@ def apply_dual_clip(per_token: jax.Array, advantages: jax.Array, bound: jax.Arra
   """
   cap = -advantages * bound
   return jnp.where((advantages < 0) & (per_token > cap), cap, per_token)
+
+
+def dual_clip_tokens(
+  per_token: jax.Array, advantages: jax.Array, bound: jax.Array, over: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """`apply_dual_clip` at `bound`, and the tokens it reports as capped: `A < 0` and `over`."""
+  return apply_dual_clip(per_token, advantages, bound), (advantages < 0) & over
+
+
+def policy_loss_result(
+  x: PolicyInputs,
+  per_token: jax.Array,
+  log_ratio: jax.Array,
+  ratio: jax.Array,
+  *,
+  clipped_low: jax.Array | None = None,
+  clipped_high: jax.Array | None = None,
+  clipped_dual: jax.Array | None = None,
+) -> tuple[jax.Array, PolicyLossMetrics]:
+  """A policy loss's `(loss, metrics)` from its per-token loss `L` on inputs `x`.
+
+  `loss = aggregate(L * sg(is_weights), mask, x.agg, scale=x.agg_scale)`; the
+  metrics are `policy_loss_metrics` over `x.valid` with `x.is_weights`, from
+  `log_ratio` (the clamped token log-ratio), `ratio` (the ratio the loss clips;
+  both float32 `[B, T]`) and the clip flags (bool `[B, T]`, None: never).
+  """
+  per_token = apply_is_weights(per_token, x.is_weights)
+  loss = aggregate(per_token, x.valid, x.agg, scale=x.agg_scale)
+  metrics = policy_loss_metrics(
+    x.valid,
+    log_ratio=log_ratio,
+    ratio=ratio,
+    clipped_low=clipped_low,
+    clipped_high=clipped_high,
+    clipped_dual=clipped_dual,
+    is_weights=x.is_weights,
+  )
+  return loss, metrics
+
+
+def clipped_loss_result(
+  x: PolicyInputs,
+  per_token: jax.Array,
+  log_ratio: jax.Array,
+  ratio: jax.Array,
+  *,
+  below: jax.Array,
+  above: jax.Array,
+  clipped_dual: jax.Array | None = None,
+) -> tuple[jax.Array, PolicyLossMetrics]:
+  """`policy_loss_result` of a clipped surrogate, whose clip fractions depend on the sign of A.
+
+  `below` / `above` (bool `[B, T]`) mark the tokens outside the clip window; a
+  token counts as clipped low where `A < 0` and below, clipped high where `A > 0`
+  and above (there the clipped term wins and the token has no gradient).
+  """
+  low, high = (x.advantages < 0) & below, (x.advantages > 0) & above
+  return policy_loss_result(
+    x, per_token, log_ratio, ratio, clipped_low=low, clipped_high=high, clipped_dual=clipped_dual
+  )

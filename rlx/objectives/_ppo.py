@@ -5,14 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
 
-from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import check_ratio_clips, clip
-from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
+from rlx.objectives._metrics import PolicyLossMetrics
 from rlx.objectives._policy_inputs import (
   PolicyInputs,
-  apply_dual_clip,
-  apply_is_weights,
+  clipped_loss_result,
   clipped_surrogate,
+  dual_clip_tokens,
   prepare_policy_inputs,
   token_clip_bound,
 )
@@ -77,17 +76,18 @@ def ppo_clip_loss(
     clip_low=token_clip_bound(clip_low, x.valid),
     clip_high=token_clip_bound(clip_high, x.valid),
     dual_clip=dual_clip,
-    agg=agg,
-    agg_scale=agg_scale,
   )
 
 
 def clipped_policy_loss(
-  x: PolicyInputs, *, clip_low, clip_high, dual_clip, agg: str, agg_scale
+  x: PolicyInputs, *, clip_low, clip_high, dual_clip, token_weight=None
 ) -> tuple[jax.Array, PolicyLossMetrics]:
-  """PPO's clipped surrogate on validated inputs (internal; shared with SAT).
+  """PPO's clipped surrogate on validated inputs (internal; shared with SAT, M2PO and MinPRO).
 
   `clip_low` / `clip_high` are scalars or float32 `[B, T]` arrays (detached).
+  `token_weight` (detached float32 `[B, T]`, or None) multiplies each token's
+  surrogate after the clips and the ratio the metrics report (MinPRO's prefix
+  weight); the clip fractions stay those of the token ratio.
   """
   adv = x.advantages
   log_ratio = masked_log_ratio(x.logp, x.old_logp, x.valid)
@@ -96,17 +96,10 @@ def clipped_policy_loss(
   per_token = clipped_surrogate(ratio, clip(ratio, low, high), adv)
   clipped_dual = None
   if dual_clip is not None:
-    per_token = apply_dual_clip(per_token, adv, dual_clip)
-    clipped_dual = (adv < 0) & (ratio > dual_clip)
-  per_token = apply_is_weights(per_token, x.is_weights)
-  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
-  metrics = policy_loss_metrics(
-    x.valid,
-    log_ratio=log_ratio,
-    ratio=ratio,
-    clipped_low=(adv < 0) & (ratio < low),
-    clipped_high=(adv > 0) & (ratio > high),
-    clipped_dual=clipped_dual,
-    is_weights=x.is_weights,
+    per_token, clipped_dual = dual_clip_tokens(per_token, adv, dual_clip, ratio > dual_clip)
+  below, above = ratio < low, ratio > high
+  if token_weight is not None:
+    per_token, ratio = token_weight * per_token, token_weight * ratio
+  return clipped_loss_result(
+    x, per_token, log_ratio, ratio, below=below, above=above, clipped_dual=clipped_dual
   )
-  return loss, metrics

@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from rlx.objectives._aggregate import aggregate
 from rlx.objectives._checks import check_finite, check_positive
-from rlx.objectives._metrics import PolicyLossMetrics, policy_loss_metrics
-from rlx.objectives._policy_inputs import apply_is_weights, prepare_policy_inputs
+from rlx.objectives._metrics import PolicyLossMetrics
+from rlx.objectives._policy_inputs import policy_loss_result, prepare_policy_inputs
 from rlx.objectives._ratios import masked_log_ratio
 
 
@@ -62,7 +61,4 @@ def sapo_loss(
   ratio = jnp.exp(log_ratio)
   tau = jnp.where(adv > 0, tau_pos, tau_neg)
   gate = (4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0))
-  per_token = apply_is_weights(-gate * adv, x.is_weights)
-  loss = aggregate(per_token, x.valid, agg, scale=agg_scale)
-  metrics = policy_loss_metrics(x.valid, log_ratio=log_ratio, ratio=ratio, is_weights=x.is_weights)
-  return loss, metrics
+  return policy_loss_result(x, -gate * adv, log_ratio, ratio)

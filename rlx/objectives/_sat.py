@@ -198,10 +198,5 @@ def sat_loss(
   log_ratio = masked_log_ratio(x.logp, x.old_logp, x.valid)
   bounds = _sat_bounds(log_ratio, x.valid, clip_low, clip_high, quantile, kernel_power)
   return clipped_policy_loss(
-    x,
-    clip_low=bounds.clip_low,
-    clip_high=bounds.clip_high,
-    dual_clip=dual_clip,
-    agg=agg,
-    agg_scale=agg_scale,
+    x, clip_low=bounds.clip_low, clip_high=bounds.clip_high, dual_clip=dual_clip
   )
