@@ -171,6 +171,24 @@ def check_weight_values(weights: Any, valid: Any, name: str) -> None:
     )
 
 
+def checked_weight_mask(weights: jax.Array, valid: Any, name: str) -> jax.Array:
+  """The bool mask of the importance `weights` that count: `valid`, or all of them when None.
+
+  `valid` must be a real 0/1 (or bool) array with the shape of `weights`, and
+  the weights finite and >= 0 where valid (`check_weight_values`; both checked
+  when concrete).
+  """
+  if valid is None:
+    valid = jnp.ones(weights.shape, jnp.bool_)
+  else:
+    check_real_array(valid, "valid")
+    check_same_shape(name, weights, {"valid": valid})
+    check_mask_values(valid, "valid")
+    valid = as_mask(jnp.asarray(valid))
+  check_weight_values(weights, valid, name)
+  return valid
+
+
 def check_flag(value: Any, name: str) -> None:
   """Raises ValueError unless `value` is a concrete bool (it selects code at trace time)."""
   if isinstance(value, jax.core.Tracer):

@@ -38,14 +38,7 @@ def effective_sample_size(
   _checks.check_real_array(weights, "weights")
   weights = jnp.asarray(weights)
   _checks.check_not_empty(weights, "weights")
-  if valid is None:
-    valid = jnp.ones(weights.shape, jnp.bool_)
-  else:
-    _checks.check_real_array(valid, "valid")
-    _checks.check_same_shape("weights", weights, {"valid": valid})
-    _checks.check_mask_values(valid, "valid")
-    valid = _checks.as_mask(jnp.asarray(valid))
-  _checks.check_weight_values(weights, valid, "weights")
+  valid = _checks.checked_weight_mask(weights, valid, "weights")
   w = jax.lax.stop_gradient(jnp.where(valid, _checks.as_f32(weights), 0.0))
   w = w / jnp.maximum(jnp.max(jnp.abs(w), initial=0.0), jnp.float32(1e-30))
   n = jnp.sum(valid.astype(jnp.float32))

@@ -53,14 +53,7 @@ def vcpo_lr_factor(
   _checks.check_rank(seq_weights, 1, "seq_weights")
   if seq_weights.shape[0] == 0:
     raise ValueError("`seq_weights` must hold at least one sequence, got shape (0,).")
-  if valid is None:
-    valid = jnp.ones(seq_weights.shape, jnp.bool_)
-  else:
-    _checks.check_real_array(valid, "valid")
-    _checks.check_same_shape("seq_weights", seq_weights, {"valid": valid})
-    _checks.check_mask_values(valid, "valid")
-    valid = _checks.as_mask(jnp.asarray(valid))
-  _checks.check_weight_values(seq_weights, valid, "seq_weights")
+  valid = _checks.checked_weight_mask(seq_weights, valid, "seq_weights")
   rho_ess = effective_sample_size(seq_weights, valid)
   lr_factor = jnp.sqrt(jnp.minimum(rho_ess, 1.0))
   return rho_ess, lr_factor
