@@ -33,6 +33,19 @@ _ARCHITECTURES = {
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+# The sizes a config must give as positive ints.
+_SIZE_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "intermediate_size",
+)
+# The int fields (sizes and token ids, `eos_token_id` aside) that NumPy integers are converted from.
+_INT_FIELDS = (*_SIZE_FIELDS, "max_position_embeddings", "bos_token_id", "pad_token_id")
+
 # transformers' defaults for the config.json fields that change the computation, per
 # model type (the class defaults of Qwen2Config / Qwen3Config / LlamaConfig, transformers
 # 5.x). `None` for num_key_value_heads: as many as the query heads (multi-head
@@ -195,18 +208,7 @@ class ModelConfig:
   remat: bool = False
 
   def __post_init__(self):
-    for name in (
-      "vocab_size",
-      "hidden_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "intermediate_size",
-      "max_position_embeddings",
-      "bos_token_id",
-      "pad_token_id",
-    ):
+    for name in _INT_FIELDS:
       object.__setattr__(self, name, _as_python_int(getattr(self, name)))
     if isinstance(self.eos_token_id, list | tuple):
       object.__setattr__(self, "eos_token_id", tuple(_as_python_int(i) for i in self.eos_token_id))
@@ -214,15 +216,7 @@ class ModelConfig:
       object.__setattr__(self, "eos_token_id", _as_python_int(self.eos_token_id))
     if self.family not in FAMILIES:
       raise ValueError(f"`family` must be one of {FAMILIES}, got {self.family!r}.")
-    for name in (
-      "vocab_size",
-      "hidden_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "intermediate_size",
-    ):
+    for name in _SIZE_FIELDS:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
