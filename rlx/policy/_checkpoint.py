@@ -35,23 +35,31 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 # HF names that carry no parameters of ours and are skipped when present.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+
+def _linear_names(
+  module: str, hf_module: str, projections: tuple[str, ...], *, bias: bool
+) -> tuple[tuple[tuple[str, ...], str, bool], ...]:
+  """`_LAYER_NAMES` rows of a module's linear projections: each kernel, then its bias if `bias`.
+
+  rlx `module/proj/kernel` is HF `hf_module.proj.weight`, `module/proj/bias` is
+  `hf_module.proj.bias`.
+  """
+  rows = []
+  for proj in projections:
+    rows.append(((module, proj, "kernel"), f"{hf_module}.{proj}.weight", True))
+    if bias:
+      rows.append(((module, proj, "bias"), f"{hf_module}.{proj}.bias", False))
+  return tuple(rows)
+
+
 # (rlx path inside one layer, HF suffix after "model.layers.{i}.", is a linear kernel)
 _LAYER_NAMES: tuple[tuple[tuple[str, ...], str, bool], ...] = (
   (("input_norm", "scale"), "input_layernorm.weight", False),
   (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
-  (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", True),
-  (("attn", "q_proj", "bias"), "self_attn.q_proj.bias", False),
-  (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", True),
-  (("attn", "k_proj", "bias"), "self_attn.k_proj.bias", False),
-  (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", True),
-  (("attn", "v_proj", "bias"), "self_attn.v_proj.bias", False),
-  (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", True),
-  (("attn", "o_proj", "bias"), "self_attn.o_proj.bias", False),
+  *_linear_names("attn", "self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bias=True),
   (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
   (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
-  (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", True),
-  (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", True),
-  (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", True),
+  *_linear_names("mlp", "mlp", ("gate_proj", "up_proj", "down_proj"), bias=False),
 )
 
 
