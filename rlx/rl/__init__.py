@@ -9,6 +9,10 @@ Pieces, for a custom loop:
   state, metrics, batch = learner.update(state, ref_params, batch, examples)  # collected elsewhere
   rl_step = make_rl_step(learner, sampler)                  # the same iteration as ONE jit
   state, metrics = rl_step.from_examples(state, ref_params, examples, rng)
+Both run the update written once, `learner.update_fn(pieces, state, ref_params,
+batch)`: `update` with jitted `UpdatePieces` and phase timing, `make_rl_step`
+traced inside its program. `run` resolves the config once into a frozen
+`RunSpec` and checkpoints a `RunCursor` (where the run stands).
 
 Stale data (config.rl.staleness = k updates): `RolloutParams` holds the params
 that sample each batch (a ring of versions, or an interval refresh):
@@ -27,6 +31,7 @@ scales, re-quantized / recalibrated by `Learner.iteration` after every update.
 from rlx.rl._advantages import (
   group_advantages,
 )
+from rlx.rl._async import AsyncRollout
 from rlx.rl._batch import (
   FINISH_REASONS,
   RolloutBatch,
@@ -59,6 +64,7 @@ from rlx.rl._evaluate import (
 from rlx.rl._learner import (
   Learner,
   RLStep,
+  UpdatePieces,
   make_rl_step,
   offpolicy_metrics,
 )
@@ -79,11 +85,14 @@ from rlx.rl._rollout import (
 )
 from rlx.rl._run import (
   SUPERVISED_NOTE,
+  RunCursor,
   build_mesh,
   build_model,
+  build_rollout_mesh,
   format_summary,
   run,
 )
+from rlx.rl._spec import RunSpec
 from rlx.rl._staleness import (
   STALENESS_MODES,
   ProximalEwma,
@@ -117,6 +126,7 @@ __all__ = (
   "PartialRollout",
   "PromptSource",
   "RLStep",
+  "UpdatePieces",
   "Rollout",
   "RolloutBatch",
   "ProximalEwma",
@@ -127,6 +137,8 @@ __all__ = (
   "WarmupCapError",
   "WarmupResult",
   "build_mesh",
+  "build_rollout_mesh",
+  "AsyncRollout",
   "build_model",
   "build_rollout_batch",
   "check_fields",
@@ -150,6 +162,8 @@ __all__ = (
   "read_metrics",
   "response_arrays",
   "run",
+  "RunCursor",
+  "RunSpec",
   "run_figure",
   "run_sweep",
   "sampler_kwargs",

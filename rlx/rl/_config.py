@@ -117,6 +117,10 @@ def _add_task_model_and_rollout(c: ml_collections.ConfigDict) -> None:
   c.mesh.tensor = 1
   # Use only the first `num_devices` devices (0 = all of jax.devices()).
   c.mesh.num_devices = 0
+  # With rl.async_rollout: the last `rollout_devices` of those devices sample
+  # (their own mesh, data-parallel), the rest train (mesh.data / fsdp / tensor
+  # over them). 0 = both sides share every device.
+  c.mesh.rollout_devices = 0
 
   # --- sampler (rlx.sampling.SamplerConfig; the temperature is rl.temperature) ---
   c.sampler = ml_collections.ConfigDict()
@@ -258,6 +262,21 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # beta of rl.old_logp = "ewma", in (0, 1): params j iterations back weigh
   # beta^j (0.9: a centre of mass about 9 iterations back, rlx's choice).
   c.rl.ewma_decay = 0.9
+  # Asynchronous rollout (rlx.rl.AsyncRollout; AReaL / PipelineRL): a thread
+  # samples with the latest published params into a queue of at most
+  # rl.async_queue_size batches while the learner trains, and the learner
+  # publishes its params after every update. A batch's staleness then depends
+  # on timing (the run is not bit-reproducible). With rl.old_logp = "current"
+  # the objective is decoupled PPO: the clip is centred on the learner's
+  # params before the update (proximal), and train.use_rollout_correction
+  # weights behaviour -> proximal with the sampler's rollout_logp.
+  c.rl.async_rollout = False
+  c.rl.async_queue_size = 1
+  # The most optimizer updates a batch may lag at its first update under
+  # rl.async_rollout (0 = no bound); an older batch is dropped or kept as
+  # rl.stale_batches says, and counted (async/dropped_total, async/stale_kept_total).
+  c.rl.max_staleness = 0
+  c.rl.stale_batches = "drop"  # drop | keep
 
 
 def _add_warmup_eval_and_outputs(c: ml_collections.ConfigDict) -> None:
@@ -398,6 +417,43 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   except ValueError as e:  # name the field as this config has it
     raise ValueError(str(e).replace("`config.", "`config.train.")) from None
   _staleness.check_staleness(rl.staleness, rl.staleness_mode, train.updates_per_step(train_cfg))
+  _check_async(config)
+
+
+def _check_async(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming an invalid asynchronous-rollout setting or combination."""
+  rl = config.rl
+  if not isinstance(rl.async_rollout, bool):
+    raise ValueError(f"`config.rl.async_rollout` must be a bool, got {rl.async_rollout!r}.")
+  for name in ("async_queue_size", "max_staleness"):
+    value = rl[name]
+    least = 1 if name == "async_queue_size" else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise ValueError(f"`config.rl.{name}` must be an int >= {least}, got {value!r}.")
+  _choice(rl.stale_batches, ("drop", "keep"), "config.rl.stale_batches")
+  n = config.mesh.rollout_devices
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    raise ValueError(f"`config.mesh.rollout_devices` must be an int >= 0, got {n!r}.")
+  if n and not rl.async_rollout:
+    raise ValueError(
+      "`config.mesh.rollout_devices` > 0 splits the devices for asynchronous rollout; set "
+      "`config.rl.async_rollout = True` (or leave it at 0)."
+    )
+  if not rl.async_rollout:
+    return
+  unsupported = {
+    "`config.rollout.over_provision` > 1 (partial rollouts)": config.rollout.over_provision > 1,
+    "`config.rl.staleness` > 0 (controlled staleness)": rl.staleness > 0,
+    "`config.rl.old_logp` = 'behaviour' (the sampling params are on the rollout side)": (
+      rl.old_logp == "behaviour"
+    ),
+    "FP8 rollout (`config.rollout.weight_dtype` / `kv_dtype`; its refresh would race the "
+    "rollout thread)": config.rollout.weight_dtype in _choices.FP8_DTYPES
+    or config.rollout.kv_dtype in _choices.FP8_DTYPES,
+  }
+  for what, bad in unsupported.items():
+    if bad:
+      raise ValueError(f"`config.rl.async_rollout` does not support {what} yet.")
 
 
 def train_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -10,7 +10,11 @@ One object behind the loop, whatever the rollout is:
   stale     any of the host-driven ones with `rl.staleness` > 0: the batch is
             sampled by a held param version (`RolloutParams`); with
             `rl.old_logp = "ewma"` the driver also holds PPO-EWMA's proximal
-            params (`ProximalEwma`).
+            params (`ProximalEwma`);
+  async     `rl.async_rollout`: a rollout thread (`AsyncRollout`) samples
+            ahead with the latest published params; `Learner.update` trains
+            on what it queued, dropping (or keeping) batches older than
+            `rl.max_staleness`, and publishes the new params after each update.
 
 The loop only calls `iteration(state, ref_params, rng)` and checkpoints
 `state_dict()` (the partial-rollout buffer, the FP8 KV scales, the held
@@ -23,10 +27,9 @@ import warnings
 from typing import Any
 
 import jax
-import ml_collections
 
-from rlx import train
-from rlx.rl import _data, _learner, _logging, _rollout, _staleness
+from rlx import policy, train
+from rlx.rl import _async, _data, _learner, _logging, _rollout, _spec, _staleness
 
 
 class RolloutDriver:
@@ -43,27 +46,28 @@ class RolloutDriver:
 
   def __init__(
     self,
-    config: ml_collections.ConfigDict,
+    spec: _spec.RunSpec,
     learner: _learner.Learner,
     sampler: Any,
     rollout_kwargs: dict[str, Any],
     train_examples: list[Any],
   ):
-    self.config = config
+    self.spec = spec
     self.learner = learner
     self.sampler = sampler
     self.rollout_kwargs = rollout_kwargs
     self.train_examples = train_examples
-    self.num_prompts = int(config.rl.prompts_per_iteration)
+    self.num_prompts = spec.prompts_per_iteration
     self.k = learner.group_size
     self.width = rollout_kwargs["max_prompt_len"] + rollout_kwargs["max_new_tokens"]
-    self.partial = float(config.rollout.over_provision) > 1.0
+    self.partial = spec.partial
     self.fp8 = _rollout.make_fp8_refresh(sampler)
     self.fused = bool(
       not self.partial
-      and int(config.rl.staleness) == 0
-      and config.rl.old_logp not in ("sampler", "ewma")
-      and config.rl.fused
+      and not spec.async_rollout
+      and spec.staleness == 0
+      and spec.old_logp not in ("sampler", "ewma")
+      and spec.fused
       and learner.jax_reward is not None
       and hasattr(sampler, "generate_fn")
       and self.num_prompts * self.k <= rollout_kwargs["max_slots"]
@@ -76,24 +80,26 @@ class RolloutDriver:
     )
     self.refresh_probe_s = None
     self.rollout_params = _staleness.RolloutParams(
-      int(config.rl.staleness),
-      config.rl.staleness_mode,
+      spec.staleness,
+      spec.staleness_mode,
       updates_per_iteration=learner.updates_per_iteration,
-      place=config.rl.staleness_ring,
+      place=spec.staleness_ring,
       put=lambda tree: train.shard_params(tree, learner.model_config, learner.mesh),
     )
     self.proximal = (
       _staleness.ProximalEwma(
-        float(config.rl.ewma_decay),
+        spec.ewma_decay,
         put=lambda tree: train.shard_params(tree, learner.model_config, learner.mesh),
       )
-      if config.rl.old_logp == "ewma"
+      if spec.old_logp == "ewma"
       else None
     )
     self._ahead = None
     self.source = None
     self.rollout = None
     self.partial_rollout = None
+    self.async_rollout = None
+    self._async_counts = {"dropped_total": 0, "stale_kept_total": 0}
 
   def _first_prompts(self) -> list[Any]:
     return [e.prompt_ids for e in self.train_examples[: self.num_prompts]]
@@ -138,14 +144,28 @@ class RolloutDriver:
         )
     self._ahead = None
 
-  def start(self, state: train.TrainState, extra: dict | None, cursor: Any, resumed: bool) -> None:
-    """Builds the rollouts from the RL start state, or from a checkpoint's `extra` and cursor."""
+  def start(
+    self,
+    state: train.TrainState,
+    extra: dict | None,
+    cursor: Any,
+    resumed: bool,
+    *,
+    rollout_key: jax.Array | None = None,
+    iteration: int = 0,
+  ) -> None:
+    """Builds the rollouts from the RL start state, or from a checkpoint's `extra` and cursor.
+
+    With `rl.async_rollout` it also publishes `state.params` and starts the
+    rollout thread, which samples batch i with `fold_in(rollout_key, i)` from
+    i = `iteration` on.
+    """
     extra = extra or {}
     self.source = _data.PromptSource(
       self.train_examples,
       # Partial rollouts pull a varying number of prompts one by one (the same stream).
       batch_size=1 if self.partial else self.num_prompts,
-      seed=int(self.config.seed) + 1,
+      seed=self.spec.seed + 1,
       cursor=cursor,
     )
     fp8 = self.fp8
@@ -168,14 +188,29 @@ class RolloutDriver:
         self.sampler,
         num_samples=self.k,
         target_groups=self.num_prompts,
-        over_provision=float(self.config.rollout.over_provision),
+        over_provision=self.spec.over_provision,
         fp8=fp8,
       )
       self._restore(self.partial_rollout, extra, "rollout_buffer", resumed, "a rollout buffer")
-    if int(self.config.rl.staleness):
+    if self.spec.staleness:
       self._restore(self.rollout_params, extra, "staleness", resumed, "held param versions")
     if self.proximal is not None:
       self._restore(self.proximal, extra, "proximal", resumed, "PPO-EWMA proximal params")
+    if self.spec.async_rollout:
+      if rollout_key is None:
+        raise ValueError("`rollout_key` is needed to start an asynchronous rollout.")
+      self._async_counts.update(extra.get("async") or {})
+      shardings = policy.param_shardings(self.learner.model_config, self.sampler.mesh)
+      self.async_rollout = _async.AsyncRollout(
+        self.rollout,
+        self.source,
+        place=lambda params: train.copy_to(params, shardings),
+        key=rollout_key,
+        queue_size=self.spec.async_queue_size,
+        first_index=iteration,
+      )
+      self.async_rollout.publish(state.params, self.learner.version(state))
+      self.async_rollout.start()
     if self.fused and fp8 is not None:  # refreshed inside the fused program: time it standalone
       self.refresh_probe_s = fp8.time_refresh(
         state.params, self._first_prompts(), num_samples=self.k, width=self.width
@@ -190,14 +225,18 @@ class RolloutDriver:
         f"Resuming from a checkpoint without {what}: starting from an empty one.", stacklevel=3
       )
 
-  def _pull(self, n: int) -> list[tuple[int, list[int]]]:
-    """The next n fresh prompts as (index in the train split, prompt ids)."""
+  def _index(self, example: Any) -> int:
+    """The example's index in the train split."""
     if not hasattr(self, "_index_of"):
       self._index_of = {id(e): i for i, e in enumerate(self.train_examples)}
+    return self._index_of[id(example)]
+
+  def _pull(self, n: int) -> list[tuple[int, list[int]]]:
+    """The next n fresh prompts as (index in the train split, prompt ids)."""
     out = []
     for _ in range(n):
       e = self.source.next_batch()[0]
-      out.append((self._index_of[id(e)], e.prompt_ids))
+      out.append((self._index(e), e.prompt_ids))
     return out
 
   def iteration(
@@ -215,6 +254,8 @@ class RolloutDriver:
         staleness_mean=0.0, staleness_min=0.0, staleness_max=0.0, staleness_hist={"0": n}
       )
       return state, metrics
+    if self.async_rollout is not None:
+      return self._async_iteration(state, ref_params)
     params, version = self.rollout_params.select(state.params, learner.version(state))
     proximal = None if self.proximal is None else self.proximal.select(state.params)
     if self.partial:
@@ -247,6 +288,60 @@ class RolloutDriver:
       self.proximal.update(state.params)
     return state, metrics
 
+  def _async_iteration(
+    self, state: train.TrainState, ref_params: Any
+  ) -> tuple[train.TrainState, dict[str, Any]]:
+    """Trains on the rollout thread's next batch within `rl.max_staleness`; publishes the result."""
+    learner, spec, counts = self.learner, self.spec, self._async_counts
+    version, waited = learner.version(state), 0.0
+    while True:
+      item, wait_s = self.async_rollout.get()
+      waited += wait_s
+      lag = version - item.version
+      if not spec.max_staleness or lag <= spec.max_staleness:
+        break
+      if spec.stale_batches == "keep":
+        counts["stale_kept_total"] += 1
+        break
+      counts["dropped_total"] += 1
+    proximal = None if self.proximal is None else self.proximal.select(state.params)
+    state, metrics, _ = learner.update(
+      state, ref_params, item.batch, item.examples, proximal_params=proximal,
+      rollout_s=item.rollout_s,
+    )  # fmt: skip
+    self.async_rollout.publish(state.params, learner.version(state))
+    if self.proximal is not None:
+      self.proximal.update(state.params)
+    metrics.update(
+      {
+        "time/learner_wait_s": waited,
+        "async/batch_index": item.index,
+        # The train-split indices of the batch's prompts (what a resume must not lose or repeat).
+        "async/prompts": [self._index(e) for e in item.examples],
+        "async/queue_size": self.async_rollout.queue.qsize(),
+        "async/rollout_busy_s": self.async_rollout.busy_s,
+        **{f"async/{k}": v for k, v in counts.items()},
+      }
+    )
+    return state, metrics
+
+  @property
+  def source_cursor(self) -> dict:
+    """The prompt stream's position after the last batch trained on (what a resume continues).
+
+    With `rl.async_rollout` that is the learner's, not the rollout thread's:
+    batches queued or in flight at a checkpoint are sampled again on resume.
+    """
+    if self.async_rollout is not None:
+      return self.async_rollout.consumed_cursor
+    return self.source.cursor
+
+  def close(self) -> None:
+    """Stops the rollout thread, if any (its queued batches are dropped)."""
+    if self.async_rollout is not None:
+      self.async_rollout.stop()
+      self.async_rollout = None
+
   def state_dict(self) -> dict[str, Any]:
     """What the checkpoint's `extra` holds for the rollouts (buffer, KV scales, held versions)."""
     extra = {}
@@ -259,4 +354,6 @@ class RolloutDriver:
       extra["staleness"] = held
     if self.proximal is not None and self.proximal.params is not None:
       extra["proximal"] = self.proximal.state_dict()
+    if self.spec.async_rollout:
+      extra["async"] = dict(self._async_counts)
     return extra

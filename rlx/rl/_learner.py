@@ -11,14 +11,16 @@ policy loss chosen from rlx.objectives.POLICY_LOSSES):
   state      = train_step(state, batch)                     # rlx.train, sharded
   params go back to the sampler as the same device arrays (no host copy).
 
-The host-driven path times each phase (rollout / logp / train); `make_rl_step`
-fuses everything for a JAX reward into one compiled program (as in
-purejaxrl's fully-jitted PPO, https://github.com/luchris429/purejaxrl).
+Everything after the rollout and its reward is written once, in
+`Learner.update_fn`: the host-driven path (`Learner.update`) runs it with
+jitted pieces and times each phase (reward / logp / train); `make_rl_step`
+traces it, with the sampler and a JAX reward, into one compiled program (as
+in purejaxrl's fully-jitted PPO, https://github.com/luchris429/purejaxrl).
 """
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -124,14 +126,16 @@ class Learner:
     if mode == "jax" and task.jax_reward is None:
       raise ValueError(f"Task {task.name!r} has no jax_reward; set config.rl.reward='host'.")
     self.jax_reward = task.jax_reward if mode in ("auto", "jax") else None
-    group_size, baseline = self.group_size, self.baseline
-    self._advantages = jax.jit(lambda r: _advantages.group_advantages(r, group_size, baseline))
     self._rewards_jax = None if self.jax_reward is None else jax.jit(self._device_rewards)
-    self._metrics = jax.jit(
-      lambda b, r: {**_rollout_metrics(b, r), **_group_metrics(r, group_size)}
+    # The host-driven path runs the update's pure pieces as their own programs.
+    self._host_pieces = UpdatePieces(
+      train_batch=jax.jit(self.train_batch),
+      place=lambda tb: train.shard_batch(tb, self.mesh),
+      logprobs=self.compute_logprobs,
+      train=self.train_step,
+      batch_metrics=jax.jit(self.batch_metrics),
+      offpolicy=jax.jit(offpolicy_metrics),
     )
-    self._train_batch = jax.jit(_batch.train_batch)
-    self._offpolicy = jax.jit(offpolicy_metrics)
 
   @property
   def updates_per_iteration(self) -> int:
@@ -216,6 +220,67 @@ class Learner:
       rollout_s=time.perf_counter() - t0,
     )
 
+  def train_batch(self, batch: _batch.RolloutBatch) -> dict[str, jax.Array]:
+    """The train-step batch of a rewarded rollout batch: group advantages, kept rows. Pure."""
+    adv, keep = _advantages.group_advantages(batch.rewards, self.group_size, self.baseline)
+    return _batch.train_batch(batch, adv, keep)
+
+  def batch_metrics(self, batch: _batch.RolloutBatch) -> dict[str, jax.Array]:
+    """Reward, length and group metrics of a rewarded rollout batch (device scalars). Pure."""
+    rewards = batch.rewards
+    return {**_rollout_metrics(batch, rewards), **_group_metrics(rewards, self.group_size)}
+
+  def update_fn(
+    self,
+    pieces: "UpdatePieces",
+    state: train.TrainState,
+    ref_params: Any,
+    batch: _batch.RolloutBatch,
+    *,
+    behaviour_params: Any = None,
+    proximal_params: Any = None,
+    mark: Any = None,
+  ) -> tuple[train.TrainState, dict[str, jax.Array]]:
+    """The RL update on a rewarded rollout batch, written once for both paths.
+
+    advantages -> train batch -> old_logp (as `rl.old_logp` says) and the
+    off-policy metrics -> ref_logp (with KL) -> the train step -> metrics.
+    `make_rl_step` traces it with the pure pieces inside its one program;
+    `update` runs it with the jitted, host-checked pieces and a `mark` that
+    waits for each phase and times it.
+
+    Args:
+      pieces: the `UpdatePieces` to compose.
+      state: the learner's train state.
+      ref_params: the KL reference params (None without KL).
+      batch: the rollout batch with its rewards set.
+      behaviour_params: the params that sampled the batch (`rl.old_logp =
+        "behaviour"`); None = `state.params`.
+      proximal_params: PPO-EWMA's proximal params (`rl.old_logp = "ewma"`).
+      mark: `mark(phase, tree) -> tree` at the end of the phases "reward",
+        "logp" and "train"; None = no marks.
+
+    Returns:
+      (state, metrics as device scalars).
+    """
+    mark = mark or (lambda phase, tree: tree)
+    tb = pieces.place(mark("reward", pieces.train_batch(batch)))
+    logprobs = pieces.logprobs
+    tb["old_logp"] = self._old_logp(
+      state,
+      state.params if behaviour_params is None else behaviour_params,
+      proximal_params,
+      tb,
+      logprobs,
+    )
+    offpolicy = self._offpolicy_metrics(state, tb, logprobs, pieces.offpolicy)
+    if self.uses_ref:
+      tb["ref_logp"] = logprobs(ref_params, tb)
+    tb = mark("logp", tb)
+    state, train_metrics = pieces.train(state, tb)
+    state = mark("train", state)
+    return state, {**pieces.batch_metrics(batch), **dict(train_metrics), **offpolicy}
+
   def update(
     self,
     state: train.TrainState,
@@ -228,7 +293,7 @@ class Learner:
     refresh: Any = None,
     rollout_s: float = 0.0,
   ) -> tuple[train.TrainState, dict[str, float], _batch.RolloutBatch]:
-    """Trains on a collected batch: rewards, advantages, log-probs, the train step, the refresh.
+    """Trains on a collected batch: rewards, then `update_fn` timed by phase, then the refresh.
 
     What `iteration` does after its rollout, for a driver that collects by
     itself (e.g. partial rollouts, which choose their prompts).
@@ -249,31 +314,28 @@ class Learner:
     Returns:
       (state, host metrics, the batch with its rewards).
     """
-    t1 = time.perf_counter()
+    times = [time.perf_counter()]
     version = self.version(state)
-    if behaviour_params is None:
-      behaviour_params = state.params
-    rewards = self.rewards(batch, examples)
-    batch = batch.with_rewards(rewards)
-    adv, keep = self._advantages(batch.rewards)
-    tb = self._train_batch(batch, adv, keep)
-    jax.block_until_ready(tb)
-    t2 = time.perf_counter()
-    tb = train.shard_batch(tb, self.mesh)
-    tb["old_logp"] = self._old_logp(state, behaviour_params, proximal_params, tb)
-    offpolicy = self._offpolicy_metrics(state, tb)
-    if self.uses_ref:
-      tb["ref_logp"] = self.compute_logprobs(ref_params, tb)
-    jax.block_until_ready(tb)
-    t3 = time.perf_counter()
-    state, train_metrics = self.train_step(state, tb)
-    jax.block_until_ready(state.params)
-    t4 = time.perf_counter()
+    batch = batch.with_rewards(self.rewards(batch, examples))
+
+    def mark(phase, tree):
+      jax.block_until_ready(tree)
+      times.append(time.perf_counter())
+      return tree
+
+    state, device_metrics = self.update_fn(
+      self._host_pieces,
+      state,
+      ref_params,
+      batch,
+      behaviour_params=behaviour_params,
+      proximal_params=proximal_params,
+      mark=mark,
+    )
+    t1, t2, t3, t4 = times
     refresh_s = None if refresh is None else float(refresh(state.params, batch))
     t5 = time.perf_counter()
-    metrics = {k: float(v) for k, v in train.to_host(self._metrics(batch, batch.rewards)).items()}
-    metrics.update(_host_floats(train_metrics))
-    metrics.update({k: float(v) for k, v in train.to_host(offpolicy).items()})
+    metrics = _host_floats(device_metrics)
     metrics.update(_staleness.staleness_metrics(batch.policy_version, batch.response_mask, version))
     metrics.update(
       {
@@ -288,7 +350,9 @@ class Learner:
       metrics["time/refresh_s"] = refresh_s
     return state, metrics, batch
 
-  def _offpolicy_metrics(self, state: train.TrainState, tb: dict) -> dict[str, jax.Array]:
+  def _offpolicy_metrics(
+    self, state: train.TrainState, tb: dict, logprobs: Any, offpolicy: Any
+  ) -> dict[str, jax.Array]:
     """`offpolicy_metrics` of the batch under `state.params`; {} for an on-policy run.
 
     Free when old_logp is the current policy's; otherwise (rl.old_logp =
@@ -298,13 +362,18 @@ class Learner:
     if rl_cfg.old_logp == "current":
       current = tb["old_logp"]
     elif rl_cfg.staleness > 0 or rl_cfg.old_logp == "ewma":
-      current = self.compute_logprobs(state, tb)
+      current = logprobs(state.params, tb)
     else:
       return {}
-    return self._offpolicy(current, tb["rollout_logp"], tb["loss_mask"])
+    return offpolicy(current, tb["rollout_logp"], tb["loss_mask"])
 
   def _old_logp(
-    self, state: train.TrainState, rollout_params: Any, proximal_params: Any, tb: dict
+    self,
+    state: train.TrainState,
+    rollout_params: Any,
+    proximal_params: Any,
+    tb: dict,
+    logprobs: Any,
   ) -> jax.Array:
     """The batch's `old_logp` as `config.rl.old_logp` says (see rlx.rl.get_config)."""
     mode = self.config.rl.old_logp
@@ -313,10 +382,33 @@ class Learner:
     if mode == "ewma":
       if proximal_params is None:
         raise ValueError("`proximal_params` is needed with config.rl.old_logp='ewma'.")
-      return self.compute_logprobs(proximal_params, tb)
+      return logprobs(proximal_params, tb)
     if mode == "behaviour" and rollout_params is not state.params:
-      return self.compute_logprobs(rollout_params, tb)
-    return self.compute_logprobs(state, tb)
+      return logprobs(rollout_params, tb)
+    return logprobs(state.params, tb)
+
+
+class UpdatePieces(NamedTuple):
+  """The functions `Learner.update_fn` composes.
+
+  Pure inside `make_rl_step`'s program; jitted with host checks (shapes,
+  out-of-memory advice, donation) on the host-driven path.
+
+  Attributes:
+    train_batch: rewarded `RolloutBatch` -> train batch dict (`Learner.train_batch`).
+    place: train batch -> train batch on the mesh (identity inside a jit).
+    logprobs: `(params, train batch) -> f32[B, S]` per-token log-probs.
+    train: `(state, train batch) -> (state, metrics)`, the train step.
+    batch_metrics: rewarded `RolloutBatch` -> metrics (`Learner.batch_metrics`).
+    offpolicy: `offpolicy_metrics` (or its jit).
+  """
+
+  train_batch: Any
+  place: Any
+  logprobs: Any
+  train: Any
+  batch_metrics: Any
+  offpolicy: Any
 
 
 def _host_floats(metrics: dict) -> dict[str, float]:
@@ -449,8 +541,9 @@ def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
   Needs a task with a `jax_reward` and a batch that fits the sampler's slots
   (N prompts x K samples <= max_slots): `sampler.generate_fn` runs inside
   the same program as the train step, so nothing leaves the device between
-  sampling and the update. It computes the same function as
-  `Learner.iteration` with a `SyncRollout` over the same sampler and rng.
+  sampling and the update. After the reward it traces `Learner.update_fn`,
+  the function the host-driven `Learner.iteration` runs, so with a
+  `SyncRollout` over the same sampler and rng both compute the same update.
 
   FP8 rollout (the sampler's `weight_dtype` / `kv_dtype` FP8): the refresh
   runs inside the same program: the rollout params are quantized from
@@ -479,10 +572,23 @@ def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
       "config.rl.reward='host'). Use the host-driven Learner.iteration."
     )
   k = learner.group_size
-  uses_ref = learner.uses_ref
   width = int(sampler.config.max_prompt_len)
   if fp8 is None:
     fp8 = _rollout.make_fp8_refresh(sampler)
+  logprobs_fn = learner.compute_logprobs.logprobs_fn
+
+  def logprobs(params, tb):  # the pure function (no host checks, no nested jit)
+    inputs = {"tokens": tb["tokens"], "loss_mask": tb["loss_mask"]}
+    return jax.lax.stop_gradient(logprobs_fn(params, inputs))
+
+  pieces = UpdatePieces(
+    train_batch=learner.train_batch,
+    place=lambda tb: tb,
+    logprobs=logprobs,
+    train=learner.train_step.step_fn,
+    batch_metrics=learner.batch_metrics,
+    offpolicy=offpolicy_metrics,
+  )
 
   def step(
     state, ref_params, prompt_tokens, prompt_lengths, answer_ids, answer_lengths, rng, kv_scales
@@ -514,19 +620,7 @@ def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
       jnp.repeat(answer_ids, k, axis=0), jnp.repeat(answer_lengths, k), completion, clen
     )
     batch = batch.with_rewards(rewards)
-    adv, keep = _advantages.group_advantages(rewards, k, learner.baseline)
-    tb = _batch.train_batch(batch, adv, keep)
-    inputs = {"tokens": tb["tokens"], "loss_mask": tb["loss_mask"]}
-    # The pure functions (no host checks, no nested jit): one compiled program.
-    tb["old_logp"] = jax.lax.stop_gradient(
-      learner.compute_logprobs.logprobs_fn(state.params, inputs)
-    )
-    if uses_ref:
-      tb["ref_logp"] = learner.compute_logprobs.logprobs_fn(ref_params, inputs)
-    state, metrics = learner.train_step.step_fn(state, tb)
-    metrics = dict(metrics)
-    metrics.update(_rollout_metrics(batch, rewards))
-    metrics.update(_group_metrics(rewards, k))
+    state, metrics = learner.update_fn(pieces, state, ref_params, batch)
     if fp8 is None:
       return state, metrics
     if fp8.kv_fp8:

@@ -290,7 +290,18 @@ def make_fp8_refresh(sampler: Any) -> "Fp8Refresh | None":
   return None
 
 
-class SyncRollout:
+class _Fp8Rollout:
+  """What both rollout engines share: their `Fp8Refresh` (None without FP8) and its refresh."""
+
+  fp8: "Fp8Refresh | None"
+
+  @property
+  def refresh(self):
+    """`refresh(params, batch) -> seconds` of the FP8 rollout policy, or None (no FP8)."""
+    return None if self.fp8 is None else self.fp8.refresh
+
+
+class SyncRollout(_Fp8Rollout):
   """Synchronous rollouts: `sampler.generate` with the current params, every call.
 
   Attributes:
@@ -321,11 +332,6 @@ class SyncRollout:
     self.max_new_tokens = int(max_new_tokens)
     self.fp8 = fp8 if fp8 is not None else make_fp8_refresh(sampler)
     self.last_stats: dict[str, Any] = {}
-
-  @property
-  def refresh(self):
-    """`refresh(params, batch) -> seconds` of the FP8 rollout policy, or None (no FP8)."""
-    return None if self.fp8 is None else self.fp8.refresh
 
   def collect(
     self, params: Any, prompts: Sequence[Sequence[int]], rng: jax.Array, *, policy_version: int = 0
@@ -388,7 +394,7 @@ def _build_partial(
   return batch.replace(policy_version=jnp.where(batch.response_mask, spread, -1))
 
 
-class PartialRollout:
+class PartialRollout(_Fp8Rollout):
   """APRIL partial rollouts for the loop, over `rlx.sampling.RolloutEngine`.
 
   Over-provisioning (Zhou et al. 2025, https://arxiv.org/abs/2509.18521):
@@ -426,11 +432,6 @@ class PartialRollout:
     self.num_samples = int(num_samples)
     self.fp8 = fp8 if fp8 is not None else make_fp8_refresh(sampler)
     self.last_stats: dict[str, Any] = {}
-
-  @property
-  def refresh(self):
-    """`refresh(params, batch) -> seconds` of the FP8 rollout policy, or None (no FP8)."""
-    return None if self.fp8 is None else self.fp8.refresh
 
   def collect_groups(
     self, params: Any, source: Any, rng: jax.Array, *, policy_version: int

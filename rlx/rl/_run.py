@@ -33,6 +33,7 @@ from rlx.rl import (
   _learner,
   _logging,
   _rollout,
+  _spec,
   _staleness,
   _warmstart,
 )
@@ -41,6 +42,11 @@ SUPERVISED_NOTE = (
   "Note: supervised training on the gold answers alone could also solve this task; the "
   "demo's point is that the policy improves from the reward alone (no gold answers are "
   "used after the warm-up)."
+)
+
+# The `config.model` fields that define the architecture (a checkpoint's config.json sets them).
+_ARCHITECTURE = tuple(
+  "family hidden_size num_layers num_heads num_kv_heads head_dim intermediate_size".split()
 )
 
 
@@ -53,20 +59,13 @@ def build_model(config: ml_collections.ConfigDict, task: Any) -> tuple[Any, Any]
   (params converted on load) and `remat` apply to both kinds of model.
   """
   m = config.model
+  architecture = {name: m[name] for name in _ARCHITECTURE}
   if m.hf_checkpoint:
     defaults = _config.get_config().model
-    for name in (
-      "family",
-      "hidden_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "intermediate_size",
-    ):
-      if m[name] != defaults[name]:
+    for name, value in architecture.items():
+      if value != defaults[name]:
         raise ValueError(
-          f"`config.model.{name}`={m[name]!r} is set with `config.model.hf_checkpoint`: the "
+          f"`config.model.{name}`={value!r} is set with `config.model.hf_checkpoint`: the "
           f"architecture comes from the checkpoint's config.json; leave it at its default "
           f"{defaults[name]!r}."
         )
@@ -74,14 +73,8 @@ def build_model(config: ml_collections.ConfigDict, task: Any) -> tuple[Any, Any]
       m.hf_checkpoint, dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat
     )
   model_config = policy.ModelConfig.small(
-    family=m.family,
     vocab_size=int(task.tokenizer.vocab_size),
-    hidden_size=m.hidden_size,
-    num_layers=m.num_layers,
-    num_heads=m.num_heads,
-    num_kv_heads=m.num_kv_heads,
-    head_dim=m.head_dim,
-    intermediate_size=m.intermediate_size,
+    **architecture,
     param_dtype=m.param_dtype,
     compute_dtype=m.compute_dtype,
     remat=m.remat,
@@ -90,8 +83,8 @@ def build_model(config: ml_collections.ConfigDict, task: Any) -> tuple[Any, Any]
   return model_config, policy.init_params(model_config, key)
 
 
-def build_mesh(config: ml_collections.ConfigDict) -> Any:
-  """The `rlx.train` mesh of `config.mesh`."""
+def _devices(config: ml_collections.ConfigDict) -> tuple[list, list]:
+  """(train devices, rollout devices) of `config.mesh` (the rollout ones empty: shared)."""
   devices = jax.devices()
   if config.mesh.num_devices:
     if config.mesh.num_devices > len(devices):
@@ -99,7 +92,24 @@ def build_mesh(config: ml_collections.ConfigDict) -> Any:
         f"`config.mesh.num_devices`={config.mesh.num_devices} exceeds the {len(devices)} devices."
       )
     devices = devices[: config.mesh.num_devices]
+  n = int(config.mesh.get("rollout_devices", 0))
+  if n and n >= len(devices):
+    raise ValueError(
+      f"`config.mesh.rollout_devices`={n} leaves none of the {len(devices)} devices to train."
+    )
+  return (devices[:-n], devices[-n:]) if n else (devices, [])
+
+
+def build_mesh(config: ml_collections.ConfigDict) -> Any:
+  """The `rlx.train` mesh of `config.mesh` (without `mesh.rollout_devices`' devices)."""
+  devices = _devices(config)[0]
   return train.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+
+
+def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Any) -> Any:
+  """The rollout sampler's mesh: data-parallel over `mesh.rollout_devices`, else `train_mesh`."""
+  devices = _devices(config)[1]
+  return train.make_mesh(-1, 1, 1, devices=devices) if devices else train_mesh
 
 
 def _subset(examples, n):
@@ -218,29 +228,26 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   Returns:
     The summary dict (also written to `workdir/summary.json`).
   """
-  _config.validate_config(config)
+  spec = _spec.RunSpec.from_config(config)  # validates; the loop reads only `spec`
   wall_start = time.perf_counter()
-  cache_dir = _cache.compilation_cache_dir(config.get("compilation_cache_dir", ""))
-  if cache_dir:
-    _cache.enable_compilation_cache(cache_dir)
+  if spec.compilation_cache_dir:
+    _cache.enable_compilation_cache(spec.compilation_cache_dir)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   finished = _check_workdir(config, workdir)
   if finished is not None:
     _logging.note(f"rlx: {workdir} holds this run, finished: returning its saved summary.")
-    if config.log.print_summary:
+    if spec.print_summary:
       print(format_summary(finished))
     return finished
-  notes = bool(config.log.progress_bar)
-  parts = _build(config)
+  notes = spec.progress
+  parts = _build(config, spec)
   learner, driver = parts.learner, parts.driver
   abstract = train.abstract_train_state(parts.model_config, learner.train_config, parts.mesh)
-  ckpt = train.Checkpointer(
-    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
-  )
+  ckpt = train.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=spec.max_to_keep)
   log = None
   try:  # the checkpointer (and metrics log) close even when an iteration raises
-    base_key = jax.random.PRNGKey(config.seed)
+    base_key = jax.random.PRNGKey(spec.seed)
     rollout_key = jax.random.fold_in(base_key, 1)
     # The fused RL program compiles in a thread while the warm-up trains.
     driver.compile_ahead(abstract, jax.random.fold_in(rollout_key, 0))
@@ -260,7 +267,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       open_log=lambda: _logging.MetricsLog(
         workdir,
         resume_iteration=None,
-        tensorboard=config.log.tensorboard,
+        tensorboard=spec.tensorboard,
         tensorboard_subdir="warmup",
       ),
       progress=notes,
@@ -270,32 +277,38 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     # --- RL (resumable) ---
     latest = ckpt.latest_step()
-    loop = _Loop(
-      state=warm.state,
-      cursor={"source": None, "iteration": 0, "rl_time_s": 0.0, "elapsed_s": 0.0, "stop": None},
-    )
+    loop = _Loop(state=warm.state, cursor=RunCursor())
     extra = None
     if latest is not None:
       restored = ckpt.restore(abstract)
-      loop = _Loop(state=restored.state, cursor=restored.data_cursor)
+      loop = _Loop(state=restored.state, cursor=RunCursor.from_json(restored.data_cursor))
       extra = restored.extra or {}
       loop.best_params = extra.get("best_params")
     del warm
-    driver.start(loop.state, extra, loop.cursor["source"], resumed=latest is not None)
+    driver.start(
+      loop.state,
+      extra,
+      loop.cursor.source,
+      resumed=latest is not None,
+      rollout_key=rollout_key,
+      iteration=loop.cursor.iteration,
+    )
     driver.wait_ahead(notes)
-    start = int(loop.cursor["iteration"])
-    log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=config.log.tensorboard)
-    _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start)
+    start = loop.cursor.iteration
+    log = _logging.MetricsLog(workdir, resume_iteration=start, tensorboard=spec.tensorboard)
+    elapsed_before = loop.cursor.elapsed_s
+    _rl_loop(spec, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start)
   except BaseException:
     if log is not None:
       log.close()
     raise
   finally:
+    driver.close()
     ckpt.close()
-  summary = _summary(config, workdir, parts, loop, start if latest is not None else None)
+  summary = _summary(config, spec, workdir, parts, loop, start if latest is not None else None)
   this_process = time.perf_counter() - wall_start
   # Time of earlier processes up to their last checkpoint + this process.
-  summary["wall_time_s"] = loop.elapsed_before + this_process
+  summary["wall_time_s"] = elapsed_before + this_process
   summary["wall_time_s_this_process"] = this_process
   # TensorBoard: the test accuracy before (at iteration 0) and after, and the
   # run's config with its headline figures in the HParams tab.
@@ -311,7 +324,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   )
   log.close()
   _write_json(os.path.join(workdir, "summary.json"), summary)
-  if config.log.print_summary:
+  if spec.print_summary:
     print(format_summary(summary))
   return summary
 
@@ -332,16 +345,15 @@ class _Parts:
   warm_info: dict = dataclasses.field(default_factory=dict)
 
 
-def _build(config: ml_collections.ConfigDict) -> _Parts:
+def _build(config: ml_collections.ConfigDict, spec: _spec.RunSpec) -> _Parts:
   """The run's task, mesh, model, rollout and evaluation samplers, learner and driver."""
-  notes = bool(config.log.progress_bar)
+  notes = spec.progress
   task = _config.make_task(config)
   mesh = build_mesh(config)
   model_config, init_params = build_model(config, task)
-  rows = int(config.rl.prompts_per_iteration) * _config.samples_per_prompt(config)
-  rollout_kwargs = _rollout.sampler_kwargs(config, task, rows=rows, greedy=False)
-  dev = _subset(task.split("dev"), config.eval.dev_examples)
-  test = _subset(task.split("test"), config.eval.test_examples)
+  rollout_kwargs = _rollout.sampler_kwargs(config, task, rows=spec.rows, greedy=False)
+  dev = _subset(task.split("dev"), spec.dev_examples)
+  test = _subset(task.split("test"), spec.test_examples)
   # The greedy sampler is sized for the dev set, evaluated every eval.every
   # iterations and every warmup.eval_every steps (its cost grows with its
   # slots); the test set, evaluated twice, runs in chunks of that size.
@@ -350,7 +362,7 @@ def _build(config: ml_collections.ConfigDict) -> _Parts:
   # Slots are split over the mesh's batch axes: round up to a multiple of them.
   shards = train.batch_axis_size(mesh)
   eval_kwargs["max_slots"] = -(-min(eval_kwargs["max_slots"], eval_batch) // shards) * shards
-  sampler = _rollout.make_sampler(model_config, rollout_kwargs, mesh)
+  sampler = _rollout.make_sampler(model_config, rollout_kwargs, build_rollout_mesh(config, mesh))
   eval_sampler = _rollout.make_sampler(model_config, eval_kwargs, mesh)
   greedy = _logging.note_first_call(
     _evaluate.greedy_accuracy, "the greedy evaluation sampler", enabled=notes
@@ -362,40 +374,74 @@ def _build(config: ml_collections.ConfigDict) -> _Parts:
     return greedy(eval_sampler, params, task, examples, batch_size=eval_batch)
 
   learner = _learner.Learner(config, task, model_config, mesh)
-  driver = _driver.RolloutDriver(config, learner, sampler, rollout_kwargs, task.split("train"))
+  driver = _driver.RolloutDriver(spec, learner, sampler, rollout_kwargs, task.split("train"))
   return _Parts(task, mesh, model_config, init_params, dev, test, evaluate, learner, driver)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCursor:
+  """Where an RL run stands: the data cursor saved with each of its checkpoints.
+
+  Saved as a JSON dict (`to_json`) and read back with `from_json`, which
+  names a missing or unknown field.
+
+  Attributes:
+    iteration: RL iterations done.
+    source: the prompt stream's position (`PromptSource.cursor`); None before the first.
+    rl_time_s: seconds spent in RL iterations (their evaluation and logging included).
+    elapsed_s: wall-clock seconds of the run's processes up to this checkpoint.
+    stop: why the run stopped early (`rl.target_dev_accuracy`, `rl.max_time_s`), else None.
+    best_dev_accuracy: the best dev accuracy of an RL evaluation so far (None before one).
+    best_iteration: the iteration it was reached at.
+  """
+
+  iteration: int = 0
+  source: dict | None = None
+  rl_time_s: float = 0.0
+  elapsed_s: float = 0.0
+  stop: str | None = None
+  best_dev_accuracy: float | None = None
+  best_iteration: int | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    """The JSON dict saved as the checkpoint's data cursor."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, value: dict[str, Any]) -> "RunCursor":
+    """The cursor of a checkpoint's data cursor dict."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(value, dict) or "iteration" not in value or set(value) - names:
+      raise ValueError(
+        f"A run checkpoint's data cursor must be a dict with `iteration` and fields from "
+        f"{sorted(names)}, got {value!r}."
+      )
+    return cls(**value)
 
 
 @dataclasses.dataclass
 class _Loop:
-  """The RL loop's running state: train state, data cursor, best-dev params, stop reason."""
+  """The RL loop's running state: train state, cursor and best-dev params."""
 
   state: Any
-  cursor: dict
+  cursor: RunCursor
   best_params: Any = None
-  rl_time: float = 0.0
-  stop_reason: str | None = None
-  elapsed_before: float = 0.0  # wall-clock seconds of earlier processes of this run
 
 
-def _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start):
+def _rl_loop(spec, loop, parts, ref_params, ckpt, log, rollout_key, base_key, wall_start):
   """Runs the RL iterations left (evaluating, logging, checkpointing); updates `loop`."""
   driver, cursor = parts.driver, loop.cursor
-  notes = bool(config.log.progress_bar)
-  iterate = _logging.note_first_call(driver.iteration, driver.what, enabled=notes)
-  total = int(config.rl.iterations)
-  start = iteration = int(cursor["iteration"])
-  elapsed_before = loop.elapsed_before = float(cursor.get("elapsed_s", 0.0))
-  loop.stop_reason = cursor.get("stop")
-  loop.rl_time = float(cursor["rl_time_s"])
+  iterate = _logging.note_first_call(driver.iteration, driver.what, enabled=spec.progress)
+  total = spec.iterations
+  iteration, stop, rl_time = cursor.iteration, cursor.stop, cursor.rl_time_s
   bar = None
-  if config.log.progress_bar and start < total and loop.stop_reason is None:
+  if spec.progress and iteration < total and stop is None:
     import tqdm  # noqa: PLC0415
 
-    bar = tqdm.tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
+    bar = tqdm.tqdm(total=total, initial=iteration, desc="RL", dynamic_ncols=True)
   dev_accuracy = None
   phase_start = time.perf_counter()
-  while loop.stop_reason is None and iteration < total:
+  while stop is None and iteration < total:
     rng = jax.random.fold_in(rollout_key, iteration)
     t0 = time.perf_counter()
     loop.state, metrics = iterate(loop.state, ref_params, rng, t0)
@@ -405,22 +451,24 @@ def _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, 
     iteration += 1
     record = {"phase": "rl", "iteration": iteration, **metrics}
     last = iteration == total
-    if config.eval.every and (iteration % config.eval.every == 0 or last):
+    if spec.eval_every and (iteration % spec.eval_every == 0 or last):
       dev_accuracy = parts.evaluate(loop.state.params, parts.dev)
       log.write({"phase": "eval", "iteration": iteration, "dev_accuracy": dev_accuracy})
       record["dev_accuracy"] = dev_accuracy
-      best_dev = cursor.get("best_dev_accuracy")
+      best_dev = cursor.best_dev_accuracy
       if best_dev is None or dev_accuracy > best_dev:  # model selection on the dev split
         loop.best_params = jax.tree.map(lambda x: np.array(x, copy=True), loop.state.params)
-        cursor = {**cursor, "best_dev_accuracy": dev_accuracy, "best_iteration": iteration}
+        cursor = dataclasses.replace(
+          cursor, best_dev_accuracy=dev_accuracy, best_iteration=iteration
+        )
     log.write(record)
-    loop.rl_time += time.perf_counter() - t0
-    if config.rl.target_dev_accuracy and dev_accuracy is not None:
-      if dev_accuracy >= config.rl.target_dev_accuracy:
-        loop.stop_reason = f"dev accuracy {dev_accuracy:.3f} >= rl.target_dev_accuracy"
-    if config.rl.max_time_s and time.perf_counter() - phase_start >= config.rl.max_time_s:
-      loop.stop_reason = f"rl.max_time_s={config.rl.max_time_s} reached"
-      warnings.warn(f"Stopping RL after {iteration} iterations: {loop.stop_reason}.", stacklevel=2)
+    rl_time += time.perf_counter() - t0
+    if spec.target_dev_accuracy and dev_accuracy is not None:
+      if dev_accuracy >= spec.target_dev_accuracy:
+        stop = f"dev accuracy {dev_accuracy:.3f} >= rl.target_dev_accuracy"
+    if spec.max_time_s and time.perf_counter() - phase_start >= spec.max_time_s:
+      stop = f"rl.max_time_s={spec.max_time_s} reached"
+      warnings.warn(f"Stopping RL after {iteration} iterations: {stop}.", stacklevel=2)
     if bar is not None:
       post = {
         "reward": f"{metrics['reward_mean']:.3f}",
@@ -430,37 +478,34 @@ def _rl_loop(config, loop, parts, ref_params, ckpt, log, rollout_key, base_key, 
         post["dev_acc"] = f"{dev_accuracy:.3f}"
       bar.set_postfix(post)
       bar.update(1)
-    if last or loop.stop_reason is not None or iteration % config.checkpoint.every == 0:
-      cursor = {
-        "source": driver.source.cursor,
-        "iteration": iteration,
-        "rl_time_s": loop.rl_time,
-        "elapsed_s": elapsed_before + time.perf_counter() - wall_start,
-        "stop": loop.stop_reason,
-        "best_dev_accuracy": cursor.get("best_dev_accuracy"),
-        "best_iteration": cursor.get("best_iteration"),
-      }
+    cursor = dataclasses.replace(
+      cursor, iteration=iteration, source=driver.source_cursor, rl_time_s=rl_time, stop=stop
+    )
+    if last or stop is not None or iteration % spec.checkpoint_every == 0:
+      # Time of earlier processes up to their last checkpoint + this process.
+      elapsed = loop.cursor.elapsed_s + time.perf_counter() - wall_start
+      cursor = dataclasses.replace(cursor, elapsed_s=elapsed)
       extra = {"rng": np.asarray(base_key), **driver.state_dict()}
       if loop.best_params is not None:
         extra["best_params"] = loop.best_params
-      ckpt.save(iteration, loop.state, data_cursor=cursor, extra=extra, force=True)
+      ckpt.save(iteration, loop.state, data_cursor=cursor.to_json(), extra=extra, force=True)
   if bar is not None:
     bar.close()
   loop.cursor = cursor
 
 
-def _summary(config, workdir, parts, loop, resumed_from) -> dict[str, Any]:
+def _summary(config, spec, workdir, parts, loop, resumed_from) -> dict[str, Any]:
   """The run's summary (test accuracies, timings, staleness, config); evaluates the test split."""
   state, cursor, driver = loop.state, loop.cursor, parts.driver
   warm_info = parts.warm_info
   accuracy_after = parts.evaluate(state.params, parts.test)
   accuracy_best_dev = accuracy_after
-  if loop.best_params is not None and cursor.get("best_iteration") != int(cursor["iteration"]):
+  if loop.best_params is not None and cursor.best_iteration != cursor.iteration:
     best = train.shard_params(loop.best_params, parts.model_config, parts.mesh)
     accuracy_best_dev = parts.evaluate(best, parts.test)
   accuracy_before = float(warm_info["test_accuracy"])
   plots = []
-  if config.log.plots:
+  if spec.plots:
     plots.append(
       _logging.plot_run(
         workdir,
@@ -474,11 +519,11 @@ def _summary(config, workdir, parts, loop, resumed_from) -> dict[str, Any]:
   stale_hist = _staleness.merge_histograms([r.get("staleness_hist") or {} for r in rl_records])
   stale_tokens = sum(stale_hist.values())
   refresh_s = [r["time/refresh_s"] for r in rl_records if "time/refresh_s" in r]
-  iterations = int(cursor["iteration"])
+  iterations = cursor.iteration
   return {
     "task": parts.task.name,
-    "loss": config.train.loss,
-    "baseline": config.rl.baseline,
+    "loss": spec.loss,
+    "baseline": spec.baseline,
     "accuracy_before": accuracy_before,
     "accuracy_after": accuracy_after,
     "improvement_points": 100.0 * (accuracy_after - accuracy_before),
@@ -486,17 +531,17 @@ def _summary(config, workdir, parts, loop, resumed_from) -> dict[str, Any]:
     # selection on the dev split; equals accuracy_after when that is the last).
     "accuracy_best_dev": accuracy_best_dev,
     "improvement_points_best_dev": 100.0 * (accuracy_best_dev - accuracy_before),
-    "best_dev_accuracy": cursor.get("best_dev_accuracy"),
-    "best_dev_iteration": cursor.get("best_iteration"),
+    "best_dev_accuracy": cursor.best_dev_accuracy,
+    "best_dev_iteration": cursor.best_iteration,
     "iterations": iterations,
-    "stop_reason": loop.stop_reason,
+    "stop_reason": cursor.stop,
     "warmup_steps": warm_info["steps"],
     "warmup_dev_accuracy": warm_info["dev_accuracy"],
     "warmup_time_s": warm_info["time_s"],
     # The warm-up directory this run's warm-up was reused from (warmup.init_from).
     "warmup_reused_from": warm_info.get("reused_from"),
-    "rl_time_s": loop.rl_time,
-    "seconds_per_iteration": loop.rl_time / max(iterations, 1),
+    "rl_time_s": cursor.rl_time_s,
+    "seconds_per_iteration": cursor.rl_time_s / max(iterations, 1),
     "final_reward_mean": rl_records[-1]["reward_mean"] if rl_records else math.nan,
     "fused_rl_step": driver.fused,
     # Mean seconds of the FP8 rollout refresh per update (host-driven path; with

@@ -82,6 +82,7 @@ from rlx.train._optimizer import (
   updates_per_step,
 )
 from rlx.train._placement import (
+  copy_to,
   shard_batch,
   shard_params,
 )
@@ -138,6 +139,7 @@ __all__ = (
   "schedule_of",
   "shard_batch",
   "shard_params",
+  "copy_to",
   "StepSpec",
   "ThroughputMeter",
   "to_host",

@@ -107,12 +107,12 @@ def _check_batch_independently(batch, examples, task, learner, params, kwargs):
   # Reward = the task's host reward of the decoded response (the JAX reward agrees).
   host = np.asarray(task.reward([e for e in examples for _ in range(k)], responses), np.float32)
   np.testing.assert_array_equal(np.asarray(batch.rewards), host)
-  adv, keep = (np.asarray(x) for x in learner._advantages(batch.rewards))
+  adv, keep = (np.asarray(x) for x in rl.group_advantages(batch.rewards, k, learner.baseline))
   grouped = host.reshape(n, k)
   std = grouped.std(1, ddof=1, keepdims=True)  # unbiased, as verl; a constant group -> 1
   expected = (grouped - grouped.mean(1, keepdims=True)) / (np.where(std > 0, std, 1.0) + 1e-6)
   np.testing.assert_allclose(adv.reshape(n, k), expected, atol=1e-4)
-  tb = learner._train_batch(batch, adv, keep)
+  tb = learner.train_batch(batch)
   mask = np.asarray(tb["loss_mask"])
   s = np.arange(tokens.shape[1])[None]
   np.testing.assert_array_equal(mask, (s >= plen[:, None]) & (s < (plen + rlen)[:, None]))
@@ -151,6 +151,13 @@ def test_rl_step_equals_host_iteration():
   fused_metrics = {k: float(v) for k, v in train.to_host(fused_metrics).items()}
   for name in ("reward_mean", "response_length", "loss", "kl_loss", "grad_norm", "entropy"):
     np.testing.assert_allclose(fused_metrics[name], host_metrics[name], rtol=1e-5, atol=1e-6)
+  # One update function behind both: the fused program reports every metric the host path
+  # does, the host's phase times and staleness aside (off-policy ESS / k3 included).
+  timing = {"step_time_s", "tokens_per_second", "loss_tokens_per_second"}
+  host_only = {k for k in host_metrics if k.startswith(("time/", "staleness"))}
+  assert set(fused_metrics) - timing == set(host_metrics) - host_only
+  for name in ("offpolicy_ess", "offpolicy_k3", "groups_mixed", "stop_fraction"):
+    np.testing.assert_allclose(fused_metrics[name], host_metrics[name], rtol=1e-5, atol=1e-5)
   assert not rl_test_utils.params_allclose(host_state.params, params)
   assert rl_test_utils.params_allclose(fused_state.params, host_state.params, atol=1e-6)
 

@@ -78,7 +78,7 @@ def _iteration(train_temperature):
 def test_old_logp_at_the_trainers_temperature_rollout_logp_at_the_samplers(train_temperature):
   learner, params, batch, metrics, _, _, _ = _iteration(train_temperature)
   model_config = _setup()[2]
-  tb = learner._train_batch(batch, *learner._advantages(batch.rewards))
+  tb = learner.train_batch(batch)
   mask = np.asarray(tb["loss_mask"]) > 0
   trainer_t = train_temperature or SAMPLE_T
   expected = {}

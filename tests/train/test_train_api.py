@@ -29,6 +29,7 @@ PUBLIC = (
   "fsdp_gather_fns",
   "gathered_layer_shardings",
   "gathered_param_shardings",
+  "copy_to",
   "create_train_state",
   "explain_out_of_memory",
   "get_config",

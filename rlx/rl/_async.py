@@ -1,0 +1,188 @@
+"""`AsyncRollout`: rollout in its own thread, on its own devices, ahead of the learner.
+
+Asynchronous RL (as in AReaL, https://arxiv.org/abs/2505.24298, and
+PipelineRL, https://arxiv.org/abs/2509.19128): the sampler keeps generating
+while the learner trains, so neither side waits for the other. Here both run
+in one process:
+
+  rollout thread   params_v, v = latest published       (on the rollout mesh)
+                   prompts     = source.next_batch()
+                   batch       = rollout.collect(params_v, prompts, rng_i, policy_version=v)
+                   queue.put(Item(i, batch, examples, v, source cursor after it))
+  learner          item  = queue.get()                  (blocks while the queue is empty)
+                   state = update(state, item.batch)    (on the train mesh)
+                   publish(state.params, version(state))
+
+The queue holds at most `queue_size` finished batches; the thread then waits,
+so it never runs more than `queue_size` + 1 batches ahead. A published
+version is copied onto the rollout mesh's devices (`rlx.train.copy_to`: a
+device-to-device transfer where the meshes differ, new buffers where they
+coincide), so the learner's donating train step never frees params the
+sampler reads.
+
+Every token records the version that sampled it (`RolloutBatch.policy_version`),
+so the learner sees each batch's staleness. The run's data cursor is the
+source position after the last batch the LEARNER took (`consumed_cursor`),
+not after the last one sampled: a run killed with batches in the queue, or a
+batch in flight, samples those prompts again on resume, so no prompt is lost
+or trained twice.
+
+Which log-probs enter which term (decoupled PPO, Hilton et al. 2021,
+https://arxiv.org/abs/2110.00641, as AReaL uses it), per token of a batch
+sampled by version v and trained by the learner at version u >= v:
+
+  behaviour  mu        = pi_v, its log-probs `rollout_logp`, recorded by the sampler
+  proximal   pi_prox   = `old_logp`: with `rl.old_logp = "current"` (default) the
+                         learner's params before this update, pi_u (one forward pass);
+                         "sampler": mu itself; "ewma": PPO-EWMA's average of past params
+  policy     pi_theta  = `logp`, differentiated
+
+  loss = -w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A),  r = pi_theta / pi_prox,
+  w    = truncated (TIS) or masked (MIS) pi_prox / mu with train.use_rollout_correction
+         (rlx.objectives.rollout_correction; w = 1 without it).
+
+So the clip bounds each update's step from the proximal policy however stale
+the batch is, and the behaviour -> proximal gap is corrected by the weight
+alone. The batch's staleness u - v is logged per token (`staleness_mean`,
+`staleness_max`, `staleness_hist`).
+"""
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from rlx.rl import _batch, _data
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One batch of the queue.
+
+  Attributes:
+    index: the batch's number in the run's stream (its rng is `fold_in(key, index)`).
+    batch: the `RolloutBatch` (rewards unset), on the rollout mesh.
+    examples: the N task examples it answers.
+    version: the policy version that sampled it.
+    cursor: the prompt source's cursor after its prompts.
+    rollout_s: the seconds its collection took.
+  """
+
+  index: int
+  batch: _batch.RolloutBatch
+  examples: list
+  version: int
+  cursor: dict
+  rollout_s: float
+
+
+class AsyncRollout:
+  """A rollout thread that fills a bounded queue from the latest published params.
+
+  Args:
+    rollout: the rollout engine (`rlx.rl.SyncRollout` over a sampler on the rollout mesh).
+    source: the `PromptSource` of the train prompts (the thread owns it once started).
+    place: `place(params) -> params` on the rollout mesh, in new buffers.
+    key: the rollout key; batch i is sampled with `jax.random.fold_in(key, i)`.
+    queue_size: the most finished batches waiting for the learner (>= 1).
+    first_index: the number of the first batch (the iterations already done on resume).
+  """
+
+  def __init__(
+    self,
+    rollout: Any,
+    source: _data.PromptSource,
+    *,
+    place: Callable[[Any], Any],
+    key: jax.Array,
+    queue_size: int,
+    first_index: int = 0,
+  ):
+    if queue_size < 1:
+      raise ValueError(f"`queue_size` must be >= 1, got {queue_size}.")
+    self.rollout = rollout
+    self.source = source
+    self.place = place
+    self.key = key
+    self.queue: queue.Queue[Item] = queue.Queue(maxsize=int(queue_size))
+    self.consumed_cursor = source.cursor
+    self._next_index = int(first_index)
+    self._latest: tuple[Any, int] | None = None
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._error: BaseException | None = None
+    self._thread: threading.Thread | None = None
+    self.busy_s = 0.0  # the thread's seconds collecting (its idle time is the rest)
+
+  def publish(self, params: Any, version: int) -> None:
+    """Makes `params` (policy version `version`) the ones the next collections sample with."""
+    placed = self.place(params)
+    with self._lock:
+      self._latest = (placed, int(version))
+
+  def start(self) -> None:
+    """Starts the thread (after the first `publish`)."""
+    if self._latest is None:
+      raise ValueError("`publish` the first params before `start`.")
+    self._thread = threading.Thread(target=self._run, name="rlx-rollout", daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        with self._lock:
+          params, version = self._latest
+        t0 = time.perf_counter()
+        examples = self.source.next_batch()
+        index = self._next_index
+        batch = self.rollout.collect(
+          params,
+          [e.prompt_ids for e in examples],
+          jax.random.fold_in(self.key, index),
+          policy_version=version,
+        )
+        jax.block_until_ready(batch.tokens)
+        seconds = time.perf_counter() - t0
+        self.busy_s += seconds
+        self._next_index += 1
+        item = Item(index, batch, examples, version, self.source.cursor, seconds)
+        while not self._stop.is_set():
+          try:
+            self.queue.put(item, timeout=0.05)
+            break
+          except queue.Full:
+            continue
+    except BaseException as e:  # noqa: BLE001 (re-raised in the learner's thread by `get`)
+      self._error = e
+
+  def get(self) -> tuple[Item, float]:
+    """The next batch, and the seconds the learner waited for it.
+
+    Raises:
+      RuntimeError: the rollout thread failed (chained to its exception).
+    """
+    t0 = time.perf_counter()
+    while True:
+      try:
+        item = self.queue.get(timeout=0.05)
+        break
+      except queue.Empty:
+        if self._error is not None:  # what it queued before it failed was taken first
+          raise RuntimeError("The rollout thread failed.") from self._error
+        if self._thread is None or not self._thread.is_alive():
+          raise RuntimeError("The rollout thread is not running: `start` it first.") from None
+    self.consumed_cursor = item.cursor
+    return item, time.perf_counter() - t0
+
+  def stop(self) -> None:
+    """Stops the thread (after its batch in flight) and drops what the queue holds."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    while not self.queue.empty():
+      self.queue.get_nowait()
