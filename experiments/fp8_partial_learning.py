@@ -28,16 +28,21 @@ per seed, the supervised warm-up: it depends only on the seed (the evaluation
 runs high precision in every variant), so the first variant's warm-up
 checkpoint is copied to the others (same params, same before-RL accuracy).
 
-Outputs: `--out` (markdown table), `--plots` (PNG curves), and the per-run
-workdirs (metrics.jsonl, summary.json). Rerun (resumes finished runs from
-their summaries; `--table_only` only rebuilds the table and plots):
+`--config.<field>=value` (after `--config`) overrides a field of the base
+config, as for experiments/train_rl.py; a variant's overrides and
+`--iterations` are applied after it.
+
+Outputs: `--out` (markdown tables, with every number computed from the runs'
+summary.json / metrics.jsonl and the load averages recorded around each run),
+`--plots` (PNG curves), and the per-run workdirs (metrics.jsonl, summary.json,
+load.json). Rerun (resumes finished runs from their summaries; `--table_only`
+only rebuilds the table and plots):
 
   python experiments/fp8_partial_learning.py --workdir=/tmp/fp8runs \
       --out=experiments/results/fp8_partial_learning.md \
       --plots=experiments/results/fp8_partial_learning
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -47,12 +52,17 @@ import time
 
 import numpy as np
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from rlx import rl
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
-_CONFIG = flags.DEFINE_string(
-  "config", os.path.join(_ROOT, "configs", "arithmetic.py"), "Base config file (get_config())."
+_CONFIG = config_flags.DEFINE_config_file(
+  "config",
+  os.path.join(_ROOT, "configs", "arithmetic.py"),
+  "Base config file (get_config()); --config.<field>=value overrides a field.",
+  lock_config=False,
+  accept_new_attributes=True,
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/fp8runs", "Parent of the per-run workdirs.")
 _RUNS = flags.DEFINE_list(
@@ -98,14 +108,6 @@ VARIANTS = {
 }
 
 
-def load_base_config(path: str):
-  """`get_config()` of a config file."""
-  spec = importlib.util.spec_from_file_location("base_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 def variant_config(base, variant: str, seed: int, iterations: int):
   """The base config with the variant's overrides, `seed` and `iterations`."""
   if variant not in VARIANTS:
@@ -145,8 +147,13 @@ def run_one(base, variant: str, seed: int) -> dict:
         shutil.copy(os.path.join(_WORKDIR.value, other, "metrics.jsonl"), workdir)
         _keep_warmup_records(os.path.join(workdir, "metrics.jsonl"))
         break
+  fresh = not os.path.exists(os.path.join(workdir, "summary.json"))
+  load_start = os.getloadavg()[0]
   t0 = time.time()
   summary = rl.run(config, workdir)
+  if fresh:  # the machine's 1-minute load average around this run (a resumed one keeps its own)
+    with open(os.path.join(workdir, "load.json"), "w") as f:
+      json.dump({"start": load_start, "end": os.getloadavg()[0], "cores": os.cpu_count()}, f)
   print(
     f"{variant} seed {seed}: accuracy {summary['accuracy_before']:.3f} -> "
     f"{summary['accuracy_after']:.3f}, {time.time() - t0:.0f} s",
@@ -165,6 +172,19 @@ def _keep_warmup_records(path):
 def _mean(xs):
   xs = [x for x in xs if x is not None and math.isfinite(x)]
   return float(np.mean(xs)) if xs else math.nan
+
+
+def _median(xs):
+  xs = [x for x in xs if x is not None and math.isfinite(x)]
+  return float(np.median(xs)) if xs else math.nan
+
+
+def _load(workdir):
+  path = os.path.join(workdir, "load.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
 
 
 def run_stats(workdir: str) -> dict | None:
@@ -201,6 +221,21 @@ def run_stats(workdir: str) -> dict | None:
     "train_s": _mean([r.get("time/train_s") for r in rl_recs]),
     "stop_fraction": _mean([r["stop_fraction"] for r in rl_recs]),
     "recycled": _mean([r.get("rollout/groups_recycled") for r in rl_recs]),
+    # Medians per iteration (host-driven runs log the phases; fused ones only the total).
+    "med_rollout_s": _median([r.get("time/rollout_s") for r in rl_recs]),
+    "med_logp_s": _median([r.get("time/logp_s") for r in rl_recs]),
+    "med_train_s": _median([r.get("time/train_s") for r in rl_recs]),
+    "med_iteration_s": _median([r.get("time/iteration_s") for r in rl_recs]),
+    "med_rollout_share": _median(
+      [
+        r["time/rollout_s"] / r["time/iteration_s"]
+        for r in rl_recs
+        if "time/rollout_s" in r and r.get("time/iteration_s")
+      ]
+    ),
+    "med_prefill_tokens": _median([r.get("rollout/prefill_tokens") for r in rl_recs]),
+    "med_resumed": _median([r.get("rollout/groups_resumed") for r in rl_recs]),
+    "load": _load(workdir),
     "off_policy": _mean([r.get("rollout/off_policy_token_fraction") for r in rl_recs]),
     # Dev accuracy from the end of the warm-up (iteration 0) on.
     "dev_curve": [(0, s["warmup_dev_accuracy"])]
@@ -271,19 +306,22 @@ def _fmt(x, spec=".3f"):
 
 def table(stats: dict) -> str:
   """The markdown tables of every finished run."""
+  overrides = [f"`{a}`" for a in sys.argv[1:] if a.startswith("--config.")]
   lines = [
     "# FP8 rollout and partial rollouts: learning checks on the arithmetic task",
     "",
-    f"Base config: {os.path.relpath(_CONFIG.value, os.path.dirname(_ROOT))} with "
-    f"rl.iterations = {_ITERATIONS.value} "
+    f"Base config: {os.path.relpath(os.path.abspath(_config_file()), os.path.dirname(_ROOT))}"
+    + (f" with the command line's overrides {', '.join(overrides)}" if overrides else "")
+    + f"; rl.iterations = {_ITERATIONS.value} "
     "(and optimizer.decay_steps = iterations x train.mini_batches) for EVERY variant; "
     "variants as in experiments/fp8_partial_learning.py. Test accuracy = greedy exact "
     "match on the 500 held-out problems, before RL (after the warm-up) and after the last "
     "iteration. "
     "k1 / k3 = the train step's mismatch_k1 / mismatch_k3 (KL(rollout || trainer) of the "
     "sampled tokens: FP8 sampler vs float32 trainer; with partial rollouts also staleness), "
-    "mean over iterations. Wall times follow the machine's load (the note below says what "
-    "else ran); accuracy does not depend on it (the runs are deterministic).",
+    "mean over iterations. Wall times follow the machine's load (load avg: the 1-minute load "
+    "average at the start and at the end of each run, on the machine's cores, where the run "
+    "recorded it); accuracy does not depend on it (the runs are deterministic).",
   ]
   if _NOTE.value:
     lines += ["", _NOTE.value]
@@ -293,8 +331,8 @@ def table(stats: dict) -> str:
     "",
     "| variant | seed | test acc before | test acc after | points | best-dev ckpt test acc | "
     "mismatch k1 | mismatch k3 | k3 (last 20 it) | TIS truncated | TIS ESS | refresh s/update | "
-    "RL s/it | RL time s | wall s |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "RL s/it | RL time s | wall s | load avg (start-end / cores) |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (variant, seed), st in sorted(
     stats.items(), key=lambda kv: (list(VARIANTS).index(kv[0][0]), kv[0][1])
@@ -305,7 +343,7 @@ def table(stats: dict) -> str:
       f"{_fmt(st['k1'], '.2e')} | {_fmt(st['k3'], '.2e')} | {_fmt(st['k3_last'], '.2e')} | "
       f"{_fmt(st['tis_truncated'], '.4f')} | {_fmt(st['tis_ess'])} | {_fmt(st['refresh_s'])} | "
       f"{st['s_per_it']:.2f} | {st['rl_time_s']:.0f} | "
-      f"{st['wall_s']:.0f} |"
+      f"{st['wall_s']:.0f} | {_load_text(st['load'])} |"
     )
   lines += [
     "",
@@ -358,11 +396,60 @@ def table(stats: dict) -> str:
         f"{st['length_mean']:.2f} | {st['stop_fraction']:.3f} | "
         f"{_fmt(st['recycled'], '.1f')} | {_fmt(st['off_policy'])} |"
       )
+    lines += [
+      "",
+      "## Median per iteration (host-driven runs)",
+      "",
+      "Medians over the RL iterations of the phase times the loop logs (time/rollout_s, "
+      "time/logp_s, time/train_s, time/iteration_s; the first collections' compiles do not "
+      "move a median), the rollout's share of its iteration, and per collection the "
+      "prefill tokens (the prompt and generated prefix of every resumed group are prefilled "
+      "again) and the groups resumed (the loop logs these for partial rollouts only).",
+      "",
+      "| variant | rollout s | logp s | train s | iteration s | rollout share | "
+      "prefill tokens / collect | groups resumed / collect |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(rollout_rows, key=lambda k: list(VARIANTS).index(k[0])):
+      st = stats[key]
+      lines.append(
+        f"| {key[0]} (seed {key[1]}) | {_fmt(st['med_rollout_s'])} | {_fmt(st['med_logp_s'])} | "
+        f"{_fmt(st['med_train_s'])} | {_fmt(st['med_iteration_s'])} | "
+        f"{_fmt(st['med_rollout_share'], '.0%')} | {_fmt(st['med_prefill_tokens'], '.0f')} | "
+        f"{_fmt(st['med_resumed'], '.1f')} |"
+      )
+    lines += _comparisons(stats)
   # The note is this text; --table_only only re-reads finished runs (the command reruns them).
   args = [a for a in sys.argv[1:] if not a.startswith("--note") and a != "--table_only"]
   cmd = " ".join(["python", "experiments/fp8_partial_learning.py", *args])
   lines += ["", f"Rerun: `{cmd}`", ""]
   return "\n".join(lines)
+
+
+def _config_file() -> str:
+  return flags.FLAGS["config"].config_filename
+
+
+def _load_text(load) -> str:
+  return "-" if not load else f"{load['start']:.1f}-{load['end']:.1f} / {load['cores']}"
+
+
+def _comparisons(stats: dict) -> list[str]:
+  """One sentence per partial run with its synchronous baseline (same seed), from the tables."""
+  out = []
+  for partial, sync in (("partial", "sync_host"), ("tail_partial", "tail_sync")):
+    for (variant, seed), p in sorted(stats.items()):
+      s = stats.get((sync, seed))
+      if variant != partial or s is None:
+        continue
+      out.append(
+        f"{partial} vs {sync} (seed {seed}): test accuracy after RL {p['after']:.3f} vs "
+        f"{s['after']:.3f}; RL time {p['rl_time_s']:.0f} s vs {s['rl_time_s']:.0f} s "
+        f"({p['rl_time_s'] / s['rl_time_s']:.2f}x); median rollout "
+        f"{_fmt(p['med_rollout_s'])} s vs {_fmt(s['med_rollout_s'])} s per iteration, "
+        f"{_fmt(p['med_rollout_share'], '.0%')} vs {_fmt(s['med_rollout_share'], '.0%')} of it."
+      )
+  return ["", *out] if out else []
 
 
 def plots(stats: dict, prefix: str) -> list[str]:
@@ -427,7 +514,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
-  base = load_base_config(_CONFIG.value)
+  base = _CONFIG.value
   pairs = []
   for item in _RUNS.value:
     variant, _, seed = item.partition(":")
