@@ -39,8 +39,11 @@ Rerun (prints the markdown table; `--out` also writes it):
 
 import dataclasses
 import math
+import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 
 import jax
@@ -48,6 +51,7 @@ import numpy as np
 from absl import app, flags
 
 from rlx import policy, sampling
+from rlx.sampling import scheduling
 
 _TARGET = flags.DEFINE_integer("target_groups", 16, "Complete groups per collection.")
 _G = flags.DEFINE_integer("group", 4, "Samples per prompt (G).")
@@ -74,6 +78,11 @@ def _model():
     num_kv_heads=2,
     head_dim=16,
   )
+
+
+def _compiles(sampler) -> int:
+  """Programs compiled so far by the sampler's prefill and decode jits."""
+  return sampler._engine.prefill._cache_size() + sampler._engine.decode._cache_size()
 
 
 class _Prompts:
@@ -121,13 +130,14 @@ def main(argv):
     def collect(p, rng, version):
       del version
       prompts = [pr for _, pr in source(target)]
+      compiles = _compiles(sampler)
       t0 = time.perf_counter()
       out = sampler.generate(p, prompts, num_samples=g, rng=rng)
       wall = time.perf_counter() - t0
       st = out.stats
       return (
         wall, st["generated_tokens"], st["decode_steps"], 0.0, 0.0, st["syncs"], 0,
-        st["prefill_tokens"],
+        st["prefill_tokens"], _compiles(sampler) - compiles,
       )  # fmt: skip
 
     return collect
@@ -139,6 +149,7 @@ def main(argv):
     )
 
     def collect(p, rng, version):
+      compiles = _compiles(cont)
       t0 = time.perf_counter()
       out = engine.collect(p, source, rng, policy_version=version)
       wall = time.perf_counter() - t0
@@ -152,6 +163,7 @@ def main(argv):
         st["syncs"],
         st["groups_resumed"],
         st["prefill_tokens"],
+        _compiles(cont) - compiles,
       )
 
     return collect
@@ -161,18 +173,21 @@ def main(argv):
     cfg = dataclasses.replace(base, prefill_chunk=c)
     static = sampling.Sampler(mc, dataclasses.replace(cfg, continuous_batching=False))
     cont = sampling.Sampler(mc, cfg)
-    # Compile every prefill row bucket (8, 16, 32, ... rows) before measuring.
-    n = 1
-    while True:
-      cont.generate(params, [[1, 2, 3, 4, 5]] * n, num_samples=1, rng=jax.random.key(0))
-      if n > slots // 2:
-        break
-      n = max(9, 2 * n - 1) if n > 1 else 9
+    # Compile the prefill calls that fresh prompts make (every row bucket x every width
+    # bucket up to the longest prompt) before measuring. Resumed samples prefill their
+    # prompt + generated prefix, which can need wider calls: those compile when first met
+    # and are counted in the table (compiles in the measured rounds).
+    for smp in (static, cont):
+      for rows in scheduling.prefill_rows(slots):
+        for width in scheduling.prefill_widths(c):
+          if width <= base.max_prompt_len:
+            smp.generate(params, [[1] * width] * rows, num_samples=1, rng=jax.random.key(0))
     modes[(c, "synchronous (static batching)")] = sync_mode(static, 1)
     modes[(c, "continuous batching")] = sync_mode(cont, 1)
     for f in factors:
       modes[(c, f"partial rollout {f:g}x")] = partial_mode(cont, f, 1)
   records = {name: [] for name in modes}
+  load_start = os.getloadavg()[0]
   key = jax.random.key(1)
   for r in range(_WARMUP.value + _ROUNDS.value):
     p = versioned(r)
@@ -188,16 +203,20 @@ def main(argv):
     f"(stop probability ~{k / v:.3f} per token), max_new_tokens={_MAX_NEW.value}, "
     f"steps_per_sync={_STEPS.value}; {_ROUNDS.value} measured rounds after {_WARMUP.value} "
     f"warm-up rounds, modes interleaved per round; a new policy version every collection. "
-    f"Machine: {platform.processor() or platform.machine()}, "
-    f"jax {jax.__version__} on {jax.devices()[0].platform} (shared by other jobs: noisy).",
+    f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    f"jax {jax.__version__} on {jax.devices()[0].platform}; 1-minute load average "
+    f"{load_start:.1f} before the measured rounds, {os.getloadavg()[0]:.1f} after them.",
     "",
-    "| prefill chunk | mode | groups/s (median) | groups/s (total) | x sync | slot util. | "
-    "tokens/s | "
+    "| prefill chunk | mode | groups/s (median) | groups/s (total) | x sync | x continuous | "
+    "slot util. | tokens/s | "
     "off-policy tokens | mean staleness | decode steps | host syncs | groups resumed | "
-    "prefill tokens |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "prefill tokens | compiles (measured rounds) |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
-  sync_rate = {}
+  sync_rate, cont_rate = {}, {}
+  for (chunk, name), rec in records.items():
+    if name == "continuous batching":
+      cont_rate[chunk] = target / statistics.median([x[0] for x in rec])
   for (chunk, name), rec in records.items():
     walls = [x[0] for x in rec]
     toks = sum(x[1] for x in rec)
@@ -209,25 +228,27 @@ def main(argv):
     offp = statistics.mean(x[3] for x in rec)
     stale = statistics.mean(x[4] for x in rec)
     lines.append(
-      f"| {chunk} | {name} | {med:.2f} | {total:.2f} | {med / sync_rate[chunk]:.2f} | {util:.2f} | "
+      f"| {chunk} | {name} | {med:.2f} | {total:.2f} | {med / sync_rate[chunk]:.2f} | "
+      f"{med / cont_rate[chunk]:.2f} | {util:.2f} | "
       f"{toks / sum(walls):.0f} | {offp:.2f} | {stale:.2f} | {steps / len(rec):.0f} | "
       f"{sum(x[5] for x in rec) / len(rec):.0f} | {sum(x[6] for x in rec) / len(rec):.1f} | "
-      f"{sum(x[7] for x in rec) / len(rec):.0f} |"
+      f"{sum(x[7] for x in rec) / len(rec):.0f} | {sum(x[8] for x in rec)} |"
     )
   lines += [
     "",
-    "x sync: median groups/s over the synchronous (static batching) row of the same prefill "
-    "chunk. Decode steps, host syncs "
-    "and groups resumed are per collection. Partial rollouts "
+    "x sync / x continuous: median groups/s over the synchronous (static batching) / the "
+    "continuous batching row of the same prefill chunk. Decode steps, host syncs "
+    "and groups resumed are per collection; compiles: prefill / decode programs compiled "
+    "during this mode's measured collections (their time is in those collections' wall time)."
+    " Partial rollouts "
     "return groups whose early tokens came from older policy versions (off-policy tokens, "
     "staleness in versions); the trainer corrects them with the recorded per-token "
-    "log-probs (`rlx.objectives.rollout_correction`). Prefill chunk: a prefill call pads "
-    "every row to the chunk, so with short prompts a large chunk makes each admission (and "
-    "each recomputed prefix of a resumed sample) cost many decode steps on CPU; the small "
-    "chunk shows the scheduling gain, the large one the recompute cost.",
+    "log-probs (`rlx.objectives.rollout_correction`). Prefill chunk: the most tokens per row "
+    "of one prefill call (each call is padded to the smallest power-of-two width bucket that "
+    "holds its longest piece, `rlx.sampling.scheduling.prefill_widths`); a resumed sample "
+    "prefills its prompt and generated prefix again, in pieces of at most the chunk.",
     "",
-    "Rerun: `python experiments/bench_partial_rollout.py "
-    "--out=experiments/results/bench_partial_rollout_cpu.md`",
+    f"Rerun: `{shlex.join(['python', 'experiments/bench_partial_rollout.py', *sys.argv[1:]])}`",
   ]
   text = "\n".join(lines) + "\n"
   print(text)
