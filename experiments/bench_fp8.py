@@ -213,7 +213,7 @@ def main(argv):
   device = jax.devices()[0]
   lines = [
     f"# FP8 rollout benchmark ({device.platform}: {device.device_kind}, {os.cpu_count()} host "
-    f"cores, load average {load:.1f} after the capacity runs; a shared, noisy machine)",
+    f"cores, 1-minute load average {load:.1f} after the capacity runs)",
     "",
     f"Model: qwen2-style, {mc.num_layers} layers, width {mc.hidden_size}, MLP "
     f"{mc.intermediate_size}, heads {mc.num_heads}/{mc.num_kv_heads} (head_dim {mc.head_dim}), "
@@ -230,15 +230,17 @@ def main(argv):
     "## Capacity and decode speed at a fixed KV pool in bytes",
     "",
     "| variant | KV bytes/token | pages | max concurrent seqs | vs bf16 | measured mean "
-    "concurrency | preemptions | decode tokens/s |",
-    "|---|---|---|---|---|---|---|---|",
+    "concurrency | preemptions | decode tokens/s | tokens/s vs bf16 |",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
+  ref_tps = statistics.median(tps[runs[0][0]])
   for name, cfg, _, capacity, page_bytes in runs:
     st = outs[name].stats
     lines.append(
       f"| {name} | {page_bytes / s['page']:.0f} | {cfg.num_pages} | {capacity} | "
       f"{capacity / ref_cap:.2f}x | {st['generated_tokens'] / max(st['decode_steps'], 1):.1f} | "
-      f"{st['preemptions']} | {statistics.median(tps[name]):.0f} |"
+      f"{st['preemptions']} | {statistics.median(tps[name]):.0f} | "
+      f"{statistics.median(tps[name]) / ref_tps:.2f}x |"
     )
 
   # Refresh cost.

@@ -29,7 +29,8 @@ def test_bench_fp8_smoke(tmp_path):
   assert int(fp8[0]) * 2 == int(bf16[0])  # KV bytes per token halve
   assert int(fp8[1]) == 2 * int(bf16[1])  # twice the pages in the same bytes
   assert float(fp8[3].rstrip("x")) >= 1.9 and bf16[3] == "1.00x"
-  assert all(float(cells[-1]) > 0 for cells in capacity.values())
+  assert all(float(cells[6]) > 0 for cells in capacity.values())  # decode tokens/s
+  assert bf16[7] == "1.00x" and all(float(c[7].rstrip("x")) > 0 for c in capacity.values())
 
   refresh = bench_table.rows(table, "## Refresh after a policy update")
   assert len(refresh) == 3 and all(cells[-1] == "1" for cells in refresh.values()), refresh
