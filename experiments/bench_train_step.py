@@ -218,6 +218,7 @@ def main(argv):
     fsdp = int(layout.split("x")[1])
     modes = _GATHER_MODES.value if fsdp > 1 and _GATHER.value else [None]
     runs += [(layout, mode) for mode in modes]
+  load_start = os.getloadavg()[0]
   rows = [_run_layout(layout, mode, mc, host_batch) for layout, mode in runs]
   base = rows[0]["tps"]
   device = jax.devices()[0]
@@ -230,7 +231,8 @@ def main(argv):
     f"B={_BATCH.value} x S={_SEQ.value} (prompt {_PROMPT.value}), loss {_LOSS.value}, "
     f"micro_batches {_MICRO.value}, gather_fsdp_params {_GATHER.value}, median of "
     f"{_STEPS.value} synced steps after a compiling one, then {_STEPS.value} asynchronous "
-    "ones.",
+    f"ones. 1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at "
+    "the end.",
     "",
     "| layout (data x fsdp x tensor) | fsdp gather | step ms | tokens/s | async tok/s | ratio "
     "| compile s | temp MiB | MFU | loss |",
@@ -244,12 +246,46 @@ def main(argv):
       f"{r['async_tps']:.0f} | {r['tps'] / base:.2f} | {r['compile_s']:.1f} | {temp} | "
       f"{mfu} | {r['loss']:.6f} |"
     )
+  lines += _notes(rows, device)
   lines += ["", "Rerun: `python " + " ".join([sys.argv[0]] + _rerun_flags()) + "`", ""]
   table = "\n".join(lines)
   print(table)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       f.write(table)
+
+
+def _notes(rows: list[dict], device: jax.Device) -> list[str]:
+  """Reading notes computed from the rows (and what the platform implies)."""
+  notes = []
+  if device.platform == "cpu" and len(jax.devices()) > 1:
+    notes.append(
+      f"- The {len(jax.devices())} devices are fake host devices on the same "
+      f"{os.cpu_count()} cores: the ratios compare partitionings (and their collectives) on "
+      "one host, not a multi-device speed-up. Compare rows within one run."
+    )
+  losses = {f"{r['loss']:.6f}" for r in rows}
+  if len(rows) > 1:
+    notes.append(
+      "- The loss is the same in every row: same step, same numbers, any layout and gather mode."
+      if len(losses) == 1
+      else f"- The loss differs across rows ({len(losses)} distinct values)."
+    )
+  by_layout = {}
+  for r in rows:
+    by_layout.setdefault(r["layout"], {})[r["gather"]] = r
+  for layout, modes in by_layout.items():
+    layer, model = modes.get("layer"), modes.get("model")
+    if layer and model and layer["temp_mib"] and model["temp_mib"]:
+      notes.append(
+        f"- {layout}: the per-layer FSDP gather needs {layer['temp_mib']:.1f} MiB of XLA "
+        f"temporaries per device against {model['temp_mib']:.1f} MiB for the whole-model "
+        f"gather ({100 * (layer['temp_mib'] / model['temp_mib'] - 1):+.0f}%), at "
+        f"{layer['step_ms'] / model['step_ms']:.2f}x its step time."
+      )
+  if device.platform == "cpu":
+    notes.append("- MFU is printed only on an accelerator.")
+  return ["", "Notes:", *notes] if notes else []
 
 
 def _rerun_flags() -> list[str]:
