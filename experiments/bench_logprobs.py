@@ -28,6 +28,7 @@ on 2 CPU cores.
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -48,7 +49,6 @@ _OUT = flags.DEFINE_string("out", None, "Optional file to write the markdown tab
 _VARIANT = flags.DEFINE_string("variant", None, "Internal: run one 'method:mode' and print JSON.")
 
 METHODS = ("naive", "chunked")
-_RERUN = "python experiments/bench_logprobs.py --out=experiments/results/logprobs_cpu.md"
 
 
 def _current_rss_mb() -> float:
@@ -210,7 +210,8 @@ def main(argv):
       f"{n['rss_peak_mb'] / max(c['rss_peak_mb'], 1e-9):.1f}x | "
       f"{c['time_ms'] / n['time_ms']:.2f}x |"
     )
-  lines += ["", f"Rerun: `{_RERUN}`", ""]
+  rerun = shlex.join(["python", "experiments/bench_logprobs.py", *sys.argv[1:]])
+  lines += ["", f"Rerun: `{rerun}`", ""]
   table = "\n".join(lines)
   print(table)
   if _OUT.value:

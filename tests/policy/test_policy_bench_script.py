@@ -31,4 +31,4 @@ def test_bench_logprobs_main_runs(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   table = out.read_text()
   assert "| value+grad | naive |" in table and "| value+grad | chunked |" in table
-  assert "Rerun: `python experiments/bench_logprobs.py" in table
+  assert "Rerun: `python experiments/bench_logprobs.py --vocab=512 --seq=32" in table
