@@ -1,0 +1,80 @@
+"""experiments/fp8_partial_learning.py --table_only: every table number comes from the runs."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _fake_run(workdir: pathlib.Path, *, after: float, rollout: list[float], partial: bool):
+  """A finished run's summary.json, metrics.jsonl and load.json (4 RL iterations)."""
+  workdir.mkdir(parents=True)
+  summary = {
+    "accuracy_before": 0.5,
+    "accuracy_after": after,
+    "accuracy_best_dev": after,
+    "rl_time_s": 10.0 * sum(rollout),
+    "seconds_per_iteration": 1.0,
+    "wall_time_s": 20.0,
+    "iterations": len(rollout),
+    "fused_rl_step": False,
+    "warmup_dev_accuracy": 0.4,
+  }
+  (workdir / "summary.json").write_text(json.dumps(summary))
+  records = []
+  for i, r in enumerate(rollout, start=1):
+    rec = {
+      "phase": "rl",
+      "iteration": i,
+      "time/rollout_s": r,
+      "time/logp_s": 0.1,
+      "time/train_s": 0.2,
+      "time/iteration_s": r + 0.3,
+      "response_length": 5.0,
+      "stop_fraction": 1.0,
+      "mismatch_k1": 0.0,
+      "mismatch_k3": 0.0,
+    }
+    if partial:
+      rec.update({"rollout/prefill_tokens": 100.0 * i, "rollout/groups_resumed": 2.0})
+    records.append(rec)
+  records.append({"phase": "eval", "iteration": len(rollout), "dev_accuracy": after})
+  (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  (workdir / "load.json").write_text(json.dumps({"start": 1.25, "end": 2.5, "cores": 2}))
+
+
+def test_table_only_computes_the_phase_medians_and_the_comparison(tmp_path):
+  _fake_run(tmp_path / "sync_host_s0", after=0.75, rollout=[0.1, 0.2, 0.3, 0.9], partial=False)
+  _fake_run(tmp_path / "partial_s0", after=0.8, rollout=[0.2, 0.2, 0.2, 5.0], partial=True)
+  out = tmp_path / "table.md"
+  args = [
+    "--config=experiments/configs/arithmetic_tail.py",
+    "--config.model.family=qwen2",
+    f"--workdir={tmp_path}",
+    "--runs=sync_host:0,partial:0",
+    f"--out={out}",
+  ]
+  proc = subprocess.run(
+    [sys.executable, "experiments/fp8_partial_learning.py", *args, "--table_only"],
+    cwd=_ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  table = out.read_text()
+  assert "overrides `--config.model.family=qwen2`" in table
+  assert "| 1.2-2.5 / 2 |" in table  # the recorded load averages
+  # Medians per iteration: rollout, logp, train, iteration, rollout share, prefill, resumed.
+  assert "| sync_host (seed 0) | 0.250 | 0.100 | 0.200 | 0.550 | 45% | - | - |" in table
+  assert "| partial (seed 0) | 0.200 | 0.100 | 0.200 | 0.500 | 40% | 250 | 2.0 |" in table
+  assert (
+    "partial vs sync_host (seed 0): test accuracy after RL 0.800 vs 0.750; "
+    "RL time 56 s vs 15 s (3.73x)"
+  ) in table
+  rerun = "Rerun: `python experiments/fp8_partial_learning.py " + " ".join(args) + "`"
+  assert rerun in table  # without --table_only: the command that makes the runs
