@@ -51,6 +51,21 @@ _ENUMERATE_BELOW = 50_000  # problem spaces up to this size are permuted whole
 _CHUNK = 4096
 
 
+_STEP_TOKENS = 7  # one scratchpad step: "{a_i}+{b_i}+{c_i}={s_i}"
+
+
+def _column_addition(a: int, b: int) -> str:
+  """The scratchpad of a + b: one `"{a_i}+{b_i}+{c_i}={s_i}"` per digit place, least
+  significant first, over the longer operand's digits (c_i: the carry into place i)."""
+  steps, carry = [], 0
+  for i in range(max(len(str(a)), len(str(b)))):
+    x, y = (a // 10**i) % 10, (b // 10**i) % 10
+    total = x + y + carry
+    steps.append(f"{x}+{y}+{carry}={total % 10}")
+    carry = total // 10
+  return "".join(steps)
+
+
 def _answer_width(op: str, num_digits: int) -> int:
   return {"+": num_digits + 1, "-": num_digits, "*": 2 * num_digits}[op]
 
@@ -103,6 +118,17 @@ class ArithmeticTask(Task):
       Tokens after the first L earn nothing; a short completion earns only for
       the positions it has. `jax_reward` computes the same values. `correct`
       (what the greedy accuracy averages) stays exact match under either.
+    scratchpad: the completion writes the column addition first, one step per
+      digit place from the least significant: `"{a_i}+{b_i}+{c_i}={s_i}"`
+      (operand digits, carry in, sum digit; 7 tokens), over the longer
+      operand's digit count, then `"*"` and the answer as above. So the
+      response length grows with the operands (8 d + 3 tokens for d-digit
+      operands with their natural-length answer), and with `min_digits` has a
+      long tail: a rollout-bound task, as RL on reasoning traces is. The
+      reward (either kind) compares the whole target, scratchpad and answer.
+      Addition only. See Nye et al., "Show Your Work: Scratchpads for
+      Intermediate Computation with Language Models", 2021,
+      https://arxiv.org/abs/2112.00114.
     name: the task name in messages.
   """
 
@@ -124,6 +150,7 @@ class ArithmeticTask(Task):
     digits_decay: float = 0.5,
     pad_answer: bool | None = None,
     reward: str = "exact",
+    scratchpad: bool = False,
     name: str = "arithmetic",
   ):
     self.name = name
@@ -149,6 +176,13 @@ class ArithmeticTask(Task):
     if isinstance(operations, str):
       operations = tuple(operations)
     operations = tuple(operations)
+    if not isinstance(scratchpad, bool):
+      raise ValueError(f"Task {name!r}: `scratchpad` must be a bool, got {scratchpad!r}.")
+    if scratchpad and operations != ("+",):
+      raise ValueError(
+        f"Task {name!r}: `scratchpad` writes column addition; `operations` must be ('+',), "
+        f"got {operations}."
+      )
     bad = [op for op in operations if op not in OPERATIONS]
     if not operations or bad or len(set(operations)) != len(operations):
       raise ValueError(
@@ -168,6 +202,7 @@ class ArithmeticTask(Task):
     self.min_digits = min_digits
     self.digits_decay = float(digits_decay)
     self.pad_answer = fixed_width if pad_answer is None else pad_answer
+    self.scratchpad = scratchpad
     self.seed = seed
     self.add_bos = add_bos
     self.require_stop = require_stop
@@ -183,6 +218,8 @@ class ArithmeticTask(Task):
     every = [e for split in SPLITS for e in self._splits[split]]
     self.max_prompt_len = max(len(e.prompt_ids) for e in every)
     self.max_answer_len = max(_answer_width(op, num_digits) for op in operations) + 1
+    if scratchpad:  # 7 tokens per digit place, then "*"
+      self.max_answer_len += _STEP_TOKENS * num_digits + 1
 
   def _draw(self, sizes: dict[str, int]) -> dict[str, list[tuple[str, int, int]]]:
     """Distinct problems per split; keys are (op, min, max) so commuted forms collide."""
@@ -282,6 +319,8 @@ class ArithmeticTask(Task):
     answer = str(value).zfill(width)
     if self.reverse_answer:
       answer = answer[::-1]
+    if self.scratchpad:
+      answer = _column_addition(a, b) + "*" + answer
     tok = self.tokenizer
     return Example(
       prompt_ids=tuple(tok.encode(prompt, add_special_tokens=self.add_bos)),

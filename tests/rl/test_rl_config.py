@@ -77,6 +77,18 @@ def test_long_tail_config_is_the_main_job_on_a_task_with_a_length_tail():
   assert short <= 5 and long >= 10 and lengths["tail"].max() >= 11  # 10-11 digits + <eos>
 
 
+def test_scratchpad_config_is_the_main_job_with_long_scratchpad_responses():
+  base, pad = _experiment_config("arithmetic"), _experiment_config("arithmetic_scratchpad")
+  rl.validate_config(pad)
+  assert pad.rl.to_dict() == base.rl.to_dict() and pad.train.to_dict() == base.train.to_dict()
+  task = rl.make_task(pad)
+  lengths = np.array([len(e.target_ids) for e in task.split("train")])
+  assert all("*" in e.answer for e in task.split("train")[:50])  # steps, then the answer
+  median, high = np.percentile(lengths, [50, 99])
+  assert lengths.min() >= 26 and 50 <= median <= 80 and high >= 130  # a long tail
+  assert lengths.max() <= task.max_answer_len == 147
+
+
 @pytest.mark.parametrize("baseline", rl.BASELINES)
 def test_group_advantages_match_objectives(baseline):
   k = 5 if baseline == "median" else 4

@@ -451,3 +451,63 @@ def test_rl_config_reward_reaches_the_task():
   config.task.arithmetic.reward = "partial"
   with pytest.raises(ValueError, match="`reward` must be one of"):
     rl.make_task(config)
+
+
+def _column_steps(a, b):
+  """The scratchpad written by hand: per place (least significant first) a_i+b_i+carry=s_i."""
+  out, carry = "", 0
+  da, db = str(a)[::-1], str(b)[::-1]
+  for i in range(max(len(da), len(db))):
+    x = int(da[i]) if i < len(da) else 0
+    y = int(db[i]) if i < len(db) else 0
+    out += f"{x}+{y}+{carry}={(x + y + carry) % 10}"
+    carry = (x + y + carry) // 10
+  return out
+
+
+def test_scratchpad_targets_are_column_addition_then_the_answer():
+  task = tasks.ArithmeticTask(
+    num_digits=8, min_digits=2, digits_decay=0.7, pad_answer=False, scratchpad=True,
+    train_size=400, dev_size=20, test_size=20,
+  )  # fmt: skip
+  plain = tasks.ArithmeticTask(
+    num_digits=8, min_digits=2, digits_decay=0.7, pad_answer=False,
+    train_size=400, dev_size=20, test_size=20,
+  )  # fmt: skip
+  assert [e.prompt_text for e in task.split("test")] == [e.prompt_text for e in plain.split("test")]
+  for e, p in zip(task.split("train"), plain.split("train"), strict=True):
+    a, _, b = _parse(e.prompt_text)
+    steps, answer = e.answer.split("*")
+    assert steps == _column_steps(a, b) and answer == p.answer == str(a + b)[::-1]
+    assert len(steps) == 7 * max(len(str(a)), len(str(b)))
+  assert task.max_answer_len == plain.max_answer_len + 7 * 8 + 1
+  lengths = [len(e.target_ids) for e in task.split("train")]
+  assert max(lengths) <= task.max_answer_len and max(lengths) > 2 * min(lengths)
+  # 9 + 3 with a carry, by hand.
+  assert _column_steps(9, 3) == "9+3+0=2" and task._example("+", 9, 3).answer == "9+3+0=2*21"
+  # The reward compares the whole target (scratchpad and answer), in JAX as on the host.
+  examples = task.split("train")[:3]
+  right = [list(e.target_ids) for e in examples]
+  wrong_step = [list(e.target_ids) for e in examples]
+  tok = task.tokenizer
+  digit = examples[0].answer[6]  # the first step's sum digit
+  wrong_step[0][6] = tok.encode("1" if digit == "0" else "0")[0]
+  assert tok.decode(wrong_step[0][:7]) != examples[0].answer[:7]
+  host = task.reward(examples, [right[0], wrong_step[0], right[2]])
+  np.testing.assert_array_equal(host, [1.0, 0.0, 1.0])
+  ids, lens = task.answer_arrays(examples)
+  width = task.max_answer_len
+  padded = np.zeros((3, width), np.int32)
+  for i, c in enumerate([right[0], wrong_step[0], right[2]]):
+    padded[i, : len(c)] = c
+  clen = np.asarray([len(c) for c in (right[0], wrong_step[0], right[2])], np.int32)
+  np.testing.assert_array_equal(np.asarray(task.jax_reward(ids, lens, padded, clen)), host)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [({"operations": "+-"}, "column addition"), ({"scratchpad": 1}, "`scratchpad` must be a bool")],
+)
+def test_scratchpad_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tasks.ArithmeticTask(scratchpad=kwargs.pop("scratchpad", True), **kwargs)
