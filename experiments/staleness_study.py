@@ -26,8 +26,10 @@ being trained):
   m2po           M2PO (https://arxiv.org/abs/2510.01161) as its public code
                  computes it: PPO clip of pi / mu with batch-wide radii set by a
                  second-moment budget 0.04 on the harmful tokens' log-ratios
-                 (rlx.objectives.m2po_loss; floors 0.3 / 0.5, no clip within
-                 the budget).
+                 (rlx.objectives.m2po_loss; no clip within the budget; radii
+                 floored at 0.3 / 0.5, the defaults of the reference's
+                 function, which its released scripts leave unset: their runs
+                 clip without floors).
   m2po_mask      the paper's masking form: the tokens of largest
                  (log pi_prox / mu)^2 masked until its mean is <= 0.04
                  (rlx.objectives.m2po_mask), and the ratio to the behaviour

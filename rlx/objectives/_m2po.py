@@ -121,12 +121,20 @@ def m2po_clip_bounds(
       every v at it keeps `sum min(v, v_(j)) < m2_budget * n` (0 if none), tau
       = sqrt of it, and the radii are `max(1 - e^-tau, min_clip_low)` and
       `max(e^tau - 1, min_clip_high)`.
-  Computed over the tokens passed in (the loss's mini- or micro-batch), as the
-  reference computes it per mini-batch. Reference: Zheng et al. 2025,
+  Computed over the tokens passed in: the loss's global micro-batch (the
+  mini-batch with `train.micro_batches = 1`); the reference computes it per
+  GPU over each of its dynamic micro-batches. Reference: Zheng et al. 2025,
   "Prosperity before Collapse" (https://arxiv.org/abs/2510.01161), code
-  https://github.com/Infini-AI-Lab/M2PO, `verl/trainer/ppo/core_algos.py`
-  (`kpo_clip_harmful_tokens`, `compute_m2po_policy_loss`; budget 0.04, floors
-  0.3 / 0.5). `m2po_mask` is the other form of the same trust region (mask the
+  https://github.com/Infini-AI-Lab/M2PO (read at commit af54a3e),
+  `verl/trainer/ppo/core_algos.py` (`kpo_clip_harmful_tokens`,
+  `compute_m2po_policy_loss`; its scripts set the budget 0.04). The floors'
+  defaults 0.3 / 0.5 are that function's; its actor passes the config's
+  `miniclip_low` / `miniclip_high`, which no released script sets, so the
+  released runs clip without floors: `min_clip_low = min_clip_high = 0`
+  reproduces them. With the floors the budget binds only once tau exceeds
+  ln 1.5 (upper radius) or -ln 0.7 (lower). Small differences that remain:
+  the reference takes the advantage's sign per sequence and tau^2 = v_(j) -
+  1e-12. `m2po_mask` is the other form of the same trust region (mask the
   tokens instead).
 
   Args:
