@@ -265,7 +265,7 @@ def mismatch_breakdown(base, num_prompts: int) -> str:
   model_config, _ = rl.build_model(config, task)
   abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)
   with train.Checkpointer(os.path.join(_WORKDIR.value, "hp_s0", "warmup")) as ckpt:
-    params = ckpt.restore(abstract).state.params
+    params = ckpt.restore(abstract.replace(opt_state=())).state.params  # saved params-only
   prompts = [e.prompt_ids for e in task.split("train")[:num_prompts]]
   g = rl.samples_per_prompt(config)
   temperature = float(config.rl.temperature)
