@@ -362,8 +362,7 @@ def policies(config, seed: int):
 
   c = config.copy_and_resolve_references()
   c.seed = int(seed)
-  rl.validate_config(c)
-  parts = _run._build(c)
+  parts = _run._build(c, rl.RunSpec.from_config(c))  # validates c
   if _SMOKE.value:  # no warm-up (its compiles take most of a smoke run): both are the init
     info = {"steps": 0, "dev_accuracy": None}
     models = {"warmed-up": parts.init_params, "random": parts.init_params}
