@@ -70,6 +70,7 @@ class Item:
     version: the policy version that sampled it.
     cursor: the prompt source's cursor after its prompts.
     rollout_s: the seconds its collection took.
+    metrics: the rollout engine's `metrics()` of its collection ({} if it has none).
   """
 
   index: int
@@ -78,6 +79,7 @@ class Item:
   version: int
   cursor: dict
   rollout_s: float
+  metrics: dict = dataclasses.field(default_factory=dict)
 
 
 class AsyncRollout:
@@ -149,7 +151,8 @@ class AsyncRollout:
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
         self._next_index += 1
-        item = Item(index, batch, examples, version, self.source.cursor, seconds)
+        counts = self.rollout.metrics() if hasattr(self.rollout, "metrics") else {}
+        item = Item(index, batch, examples, version, self.source.cursor, seconds, counts)
         while not self._stop.is_set():
           try:
             self.queue.put(item, timeout=0.05)

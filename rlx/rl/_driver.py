@@ -312,6 +312,7 @@ class RolloutDriver:
     self.async_rollout.publish(state.params, learner.version(state))
     if self.proximal is not None:
       self.proximal.update(state.params)
+    metrics.update(item.metrics)
     metrics.update(
       {
         "time/learner_wait_s": waited,

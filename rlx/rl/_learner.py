@@ -209,7 +209,8 @@ class Learner:
       rollout_params, [e.prompt_ids for e in examples], rng, policy_version=int(rollout_version)
     )
     jax.block_until_ready(batch.tokens)
-    return self.update(
+    rollout_metrics = rollout.metrics() if hasattr(rollout, "metrics") else {}
+    state, metrics, batch = self.update(
       state,
       ref_params,
       batch,
@@ -219,6 +220,7 @@ class Learner:
       refresh=getattr(rollout, "refresh", None),
       rollout_s=time.perf_counter() - t0,
     )
+    return state, {**metrics, **rollout_metrics}, batch
 
   def train_batch(self, batch: _batch.RolloutBatch) -> dict[str, jax.Array]:
     """The train-step batch of a rewarded rollout batch: group advantages, kept rows. Pure."""

@@ -290,6 +290,12 @@ def make_fp8_refresh(sampler: Any) -> "Fp8Refresh | None":
   return None
 
 
+# The sampler's counts of a collection, as `SyncRollout.metrics` reports them.
+SAMPLER_COUNTS = (
+  "decode_steps", "syncs", "prefill_tokens", "prefill_calls", "generated_tokens", "preemptions",
+)  # fmt: skip
+
+
 class _Fp8Rollout:
   """What both rollout engines share: their `Fp8Refresh` (None without FP8) and its refresh."""
 
@@ -332,6 +338,11 @@ class SyncRollout(_Fp8Rollout):
     self.max_new_tokens = int(max_new_tokens)
     self.fp8 = fp8 if fp8 is not None else make_fp8_refresh(sampler)
     self.last_stats: dict[str, Any] = {}
+
+  def metrics(self) -> dict[str, float]:
+    """The sampler's counts of the last collection (`SAMPLER_COUNTS`), under `rollout/`."""
+    st = self.last_stats
+    return {f"rollout/{k}": float(st[k]) for k in SAMPLER_COUNTS if k in st}
 
   def collect(
     self, params: Any, prompts: Sequence[Sequence[int]], rng: jax.Array, *, policy_version: int = 0
@@ -461,7 +472,7 @@ class PartialRollout(_Fp8Rollout):
       for k in (
         "groups_returned", "groups_recycled", "groups_fresh", "groups_resumed",
         "off_policy_token_fraction", "mean_staleness", "max_staleness",
-        "slot_utilisation", "tokens_per_s", "prefill_tokens",
+        "slot_utilisation", "tokens_per_s", "prefill_tokens", "decode_steps", "syncs",
       )
     }  # fmt: skip
     for s, n in st["staleness_histogram"].items():

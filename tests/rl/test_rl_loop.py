@@ -141,6 +141,14 @@ def test_rl_step_equals_host_iteration():
     _state(config, params, model_config, mesh), ref, rollout, examples, rng
   )
   assert 0 < host_metrics["reward_mean"] < 1, "the test needs non-zero advantages"
+  # The sampler's counts of the collection are logged with the iteration.
+  rlen = np.asarray(batch.response_lengths)
+  assert host_metrics["rollout/generated_tokens"] == rlen.sum()
+  assert rlen.max() <= host_metrics["rollout/decode_steps"] <= kwargs["max_new_tokens"]
+  # Prefill caches every prompt token but the last (the first decode step's input), once
+  # per prompt: its G samples share those pages.
+  assert host_metrics["rollout/prefill_tokens"] == sum(len(e.prompt_ids) - 1 for e in examples)
+  assert host_metrics["rollout/preemptions"] == 0 and host_metrics["rollout/syncs"] >= 1
   _check_batch_independently(batch, examples, task, learner, ref, kwargs)
   assert host_metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # on-policy first update
   assert abs(host_metrics["mismatch_k1"]) < 1e-5
@@ -152,9 +160,10 @@ def test_rl_step_equals_host_iteration():
   for name in ("reward_mean", "response_length", "loss", "kl_loss", "grad_norm", "entropy"):
     np.testing.assert_allclose(fused_metrics[name], host_metrics[name], rtol=1e-5, atol=1e-6)
   # One update function behind both: the fused program reports every metric the host path
-  # does, the host's phase times and staleness aside (off-policy ESS / k3 included).
+  # does, the host's phase times, staleness and sampler counts aside (off-policy ESS / k3
+  # included).
   timing = {"step_time_s", "tokens_per_second", "loss_tokens_per_second"}
-  host_only = {k for k in host_metrics if k.startswith(("time/", "staleness"))}
+  host_only = {k for k in host_metrics if k.startswith(("time/", "staleness", "rollout/"))}
   assert set(fused_metrics) - timing == set(host_metrics) - host_only
   for name in ("offpolicy_ess", "offpolicy_k3", "groups_mixed", "stop_fraction"):
     np.testing.assert_allclose(fused_metrics[name], host_metrics[name], rtol=1e-5, atol=1e-5)
