@@ -2,14 +2,18 @@ r"""Asynchronous vs synchronous RL iterations: where each side's time goes, one 
 
 For each task (the main job, experiments/configs/arithmetic.py, and the
 rollout-bound scratchpad task, experiments/configs/arithmetic_scratchpad.py)
-the same warmed-up policy runs `--iterations` RL iterations three ways:
+the same warmed-up policy runs `--iterations` RL iterations four ways:
 
   sync            the host-driven synchronous iteration (`rl.fused = False`):
                   rollout, then reward / log-probs / train step, on every device;
   async shared    `rl.async_rollout`: the rollout thread samples into a queue of
                   one batch while the learner trains, both on every device;
   async split     the same with `mesh.rollout_devices = --rollout_devices`: the
-                  rollout on its own devices, the learner on the rest.
+                  rollout on its own devices, the learner on the rest;
+  async split + TIS
+                  async split with `train.use_rollout_correction` (token-level
+                  truncated IS from the behaviour policy to the proximal one,
+                  the decoupled PPO objective of AReaL).
 
 Per run, means per iteration over the iterations after the first `--skip` (compiles):
 the iteration's wall time; the rollout side's busy time per iteration (sync:
@@ -22,7 +26,8 @@ side of the synchronous one (overlap would make it 1.0x; the target is at most
 `--warmup_steps` steps, evaluated once (it is there to teach the format, so
 response lengths are those of a trained policy, not to solve the task); async shared
 reuses the sync run's warm-up (`warmup.init_from`), async split trains its
-own on its learner's devices (a different mesh, so a different warm-up key).
+own on its learner's devices (a different mesh, so a different warm-up key),
+which async split + TIS reuses.
 Accuracy after so few iterations is reported, not compared.
 
 Rerun (prints the markdown table; `--out` also writes it):
@@ -51,7 +56,7 @@ TASKS = {
   "main job": os.path.join(_HERE, "configs", "arithmetic.py"),
   "scratchpad": os.path.join(_HERE, "configs", "arithmetic_scratchpad.py"),
 }
-MODES = ("sync", "async shared", "async split")
+MODES = ("sync", "async shared", "async split", "async split + TIS")
 # Tasks whose warm-up is capped at --warmup_steps: it teaches the response format (so the
 # lengths are a trained policy's), not the task. The main job keeps its own warm-up.
 FORMAT_WARMUP = ("scratchpad",)
@@ -80,8 +85,10 @@ def mode_config(base, mode: str, *, iterations: int, devices: int, rollout_devic
   if mode != "sync":
     c.rl.async_rollout = True
     c.rl.async_queue_size = 1
-  if mode == "async split":
+  if mode.startswith("async split"):
     c.mesh.rollout_devices = rollout_devices
+  if mode.endswith("+ TIS"):  # decoupled PPO's behaviour -> proximal weight, token-level TIS
+    c.train.use_rollout_correction = True
   return c
 
 
@@ -110,7 +117,7 @@ def side_times(records: list[dict], skip: int) -> dict[str, float]:
 
 
 def run_task(name: str, args: dict, workdir: str) -> list[dict]:
-  """The three modes of one task; returns one row per mode."""
+  """Every mode of one task; returns one row per mode."""
   base = load_config(TASKS[name])
   if name in FORMAT_WARMUP:  # a fixed warm-up that teaches the format, evaluated once
     base.warmup.max_steps = base.warmup.eval_every = args["warmup_steps"]
@@ -128,7 +135,9 @@ def run_task(name: str, args: dict, workdir: str) -> list[dict]:
     )
     if mode == "async shared":  # the sync run's warm-up (same devices, same warm-up key)
       c.warmup.init_from = os.path.join(task_dir, "sync")
-    run_dir = os.path.join(task_dir, mode.replace(" ", "_"))
+    if mode == "async split + TIS":  # async split's (same meshes)
+      c.warmup.init_from = os.path.join(task_dir, "async_split")
+    run_dir = os.path.join(task_dir, mode.replace(" + ", "_").replace(" ", "_"))
     summary = rl.run(c, run_dir)
     records = [
       r for r in rl.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if r["phase"] == "rl"

@@ -61,6 +61,9 @@ def test_mode_configs_validate_and_differ_only_in_the_rollout():
     configs["async shared"].rl.async_rollout and configs["async shared"].mesh.rollout_devices == 0
   )
   assert configs["async split"].mesh.rollout_devices == 1
+  assert not configs["async split"].train.use_rollout_correction
+  tis = configs["async split + TIS"]
+  assert tis.mesh.rollout_devices == 1 and tis.train.use_rollout_correction
   assert base.rl.iterations != 6  # the base config is left as it was
   assert base.task.arithmetic.scratchpad
 
