@@ -3,8 +3,10 @@
 - `paged_attention`: paged grouped-query decode attention over bf16/f32 or FP8
   KV pages (PagedAttention, https://arxiv.org/abs/2309.06180): Pallas Triton
   kernel on GPU, Pallas Mosaic kernel on TPU, XLA reference math on CPU, chosen
-  by where the inputs live; with `paged_attention_reference` and
-  `write_kv_pages`.
+  by where the inputs live; with `paged_attention_reference`, `write_kv_pages`
+  (static per-tensor / per-head scales) and `write_kv_pages_per_token` (a
+  dynamic FP8 scale per token and KV head, stored beside the pages, which every
+  attention path reads when given the scale pools as `k_scale` / `v_scale`).
 - `paged_prefill_attention`: a prefill chunk's causal attention over its row's
   cached pages and itself (chunked prefill), with
   `paged_prefill_attention_reference`.
@@ -40,6 +42,7 @@ from rlx.kernels_pallas._fp8_quant import (
 )
 from rlx.kernels_pallas._kv_write import (
   write_kv_pages,
+  write_kv_pages_per_token,
 )
 from rlx.kernels_pallas._paged_attention import (
   PagedAttentionBlockSizes,
@@ -70,4 +73,5 @@ __all__ = (
   "saturating_cast",
   "validate_paged_attention_inputs",
   "write_kv_pages",
+  "write_kv_pages_per_token",
 )

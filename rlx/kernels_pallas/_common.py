@@ -152,25 +152,35 @@ def check_float_array(x, name: str) -> None:
     )
 
 
-def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype) -> jax.Array:
-  """Normalizes a KV dequantization scale to float32 `[num_kv_heads]`.
+def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype, pool_shape=None) -> jax.Array:
+  """Normalizes a KV dequantization scale: static float32 `[num_kv_heads]`, or per-token.
 
   The read convention of the paged pool is `K = k_pages.astype(f32) * k_scale[g]`
-  for KV head g (vLLM's FP8 KV cache, per-tensor or per-head scales).
+  for KV head g (vLLM's FP8 KV cache, per-tensor or per-head scales), or, with
+  per-token scales stored beside the pages (one float per KV head, page and
+  row: the pool's shape without its head-dim axis),
+  `K[g, page, row] = k_pages[g, page, row].astype(f32) * k_scale[g, page, row]`.
 
   Args:
-    scale: None, a float scalar, or a float array of shape `[1]` or `[num_kv_heads]`.
+    scale: None, a float scalar, a float array of shape `[1]` or
+      `[num_kv_heads]`, or (with `pool_shape`) per-token scales of shape
+      `pool_shape[:-1]`.
     num_kv_heads: Hkv.
     name: argument name used in errors ("k_scale", "v_scale").
     page_dtype: dtype of the page pool; FP8 pools require a scale.
+    pool_shape: the page pool's shape (`[..., Hkv, P, page, D]`); None accepts
+      static scales only.
 
   Returns:
-    float32 `[num_kv_heads]` (ones when `scale` is None for bf16/f32 pools).
+    float32 `[num_kv_heads]` (ones when `scale` is None for bf16/f32 pools), or
+    the float32 per-token scales of shape `pool_shape[:-1]` (traced or not,
+    their values are not checked: past a sequence's length they may hold
+    anything, and the kernels mask them there).
 
   Raises:
     ValueError: missing scale for FP8 pages, wrong shape, a non-float dtype,
-      or a concrete value that is not finite and > 0 (traced scales are not
-      checked).
+      or a concrete static value that is not finite and > 0 (traced scales
+      are not checked).
   """
   if scale is None:
     if is_fp8(page_dtype):
@@ -182,10 +192,15 @@ def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype) -> jax.Array
   if isinstance(scale, (float, np.floating)):
     scale = np.float32(scale)
   scale = scale if hasattr(scale, "dtype") else np.asarray(scale)
+  token_shape = None if pool_shape is None else tuple(pool_shape[:-1])
+  if token_shape is not None and tuple(np.shape(scale)) == token_shape:
+    check_float_array(scale, name)
+    return jnp.asarray(scale).astype(jnp.float32)
   if np.shape(scale) not in ((), (1,), (num_kv_heads,)):
+    per_token = "" if token_shape is None else f", or {token_shape} (one per token)"
     raise ValueError(
-      f"`{name}` must be a scalar or have shape ({num_kv_heads},) (one per KV head), "
-      f"got shape {tuple(np.shape(scale))}."
+      f"`{name}` must be a scalar or have shape ({num_kv_heads},) (one per KV head)"
+      f"{per_token}, got shape {tuple(np.shape(scale))}."
     )
   check_float_array(scale, name)
   if is_concrete(scale):
@@ -197,6 +212,27 @@ def check_kv_scale(scale, num_kv_heads: int, name: str, page_dtype) -> jax.Array
       )
   scale = jnp.asarray(scale)
   return jnp.broadcast_to(scale.astype(jnp.float32).reshape(-1), (num_kv_heads,))
+
+
+def check_kv_scale_pair(k_scale, v_scale, num_kv_heads: int, page_dtype, pool_shape):
+  """`check_kv_scale` of K and V, which must be of one kind (both static or both per-token)."""
+  k_scale = check_kv_scale(k_scale, num_kv_heads, "k_scale", page_dtype, pool_shape)
+  v_scale = check_kv_scale(v_scale, num_kv_heads, "v_scale", page_dtype, pool_shape)
+  if k_scale.ndim != v_scale.ndim:
+    raise ValueError(
+      f"`k_scale` {tuple(k_scale.shape)} and `v_scale` {tuple(v_scale.shape)} must both be "
+      "static ([Hkv] or scalar) or both per-token (the pool's shape without D)."
+    )
+  return k_scale, v_scale
+
+
+def gather_token_scales(scales: jax.Array, layer: jax.Array, cols: jax.Array) -> jax.Array:
+  """Row b's per-token scales of pages `cols[b]` of a stacked `[L, Hkv, P, page]` scale pool.
+
+  Returns:
+    float32 `[B, Hkv, n * page_size]`, laid out as `gather_pages` lays out the pages.
+  """
+  return gather_pages(scales[..., None], layer, cols)[..., 0]
 
 
 # Gather of [1, Hkv, 1, page, D] slices of a stacked [L, Hkv, P, page, D] pool, one per

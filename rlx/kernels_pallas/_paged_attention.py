@@ -38,8 +38,9 @@ from rlx.kernels_pallas import _paged_attention_tpu
 from rlx.kernels_pallas._common import (
   MASK_VALUE,
   arrays_platform,
-  check_kv_scale,
+  check_kv_scale_pair,
   gather_pages,
+  gather_token_scales,
   is_concrete,
   next_pow2,
   resolve_impl,
@@ -111,15 +112,23 @@ def _paged_attention_gpu_kernel(
   q_ref,  # [block_h, D]: the query heads of this KV group (zero-padded rows)
   k_pages_ref,  # [P, page_size, D]: this KV head's whole page pool
   v_pages_ref,  # [P, page_size, D]
-  o_ref,  # f32[block_h, D]: unnormalized sum_t p_t v_t of this split
-  m_ref,  # f32[block_h]: running max of this split
-  l_ref,  # f32[block_h]: sum_t p_t of this split
-  *,
+  *refs,  # per-token scales: k, v f32[P, page_size] of this KV head; then the outputs:
+  # o_ref f32[block_h, D] (unnormalized sum_t p_t v_t of this split), m_ref f32[block_h]
+  # (running max of this split), l_ref f32[block_h] (sum_t p_t of this split)
   sm_scale: float,
   pages_per_compute_block: int,
   dot_dtype,
+  per_token: bool,
 ):
-  """One (sequence, KV head, split) program: online softmax over its pages."""
+  """One (sequence, KV head, split) program: online softmax over its pages.
+
+  With per-token scales, the logits of token t are multiplied by its K scale and
+  p_t by its V scale before the PV dot (the denominator sums the unscaled p_t).
+  """
+  if per_token:
+    k_token_ref, v_token_ref, o_ref, m_ref, l_ref = refs
+  else:
+    o_ref, m_ref, l_ref = refs
   split = pl.program_id(2)
   block_h, head_dim = q_ref.shape
   page_size = k_pages_ref.shape[1]
@@ -148,15 +157,22 @@ def _paged_attention_gpu_kernel(
     logits = lax.dot_general(
       q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )
-    logits = jnp.where(valid[None, :], logits * qk_scale, MASK_VALUE)  # [block_h, block_tokens]
+    logits = logits * qk_scale
+    if per_token:
+      logits = logits * k_token_ref[pages].reshape(1, block_tokens)
+    logits = jnp.where(valid[None, :], logits, MASK_VALUE)  # [block_h, block_tokens]
     m_next = jnp.maximum(m_prev, logits.max(axis=1))
     correction = jnp.exp(m_prev - m_next)
     p = jnp.exp(logits - m_next[:, None])
     denom_next = denom_prev * correction + p.sum(axis=1)
     v = v_pages_ref[pages].reshape(block_tokens, head_dim).astype(dot_dtype)
     v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+    pv_weights = p
+    if per_token:  # masked: a garbage scale past `length` must not meet p = 0
+      v_token = v_token_ref[pages].reshape(1, block_tokens)
+      pv_weights = p * jnp.where(valid[None, :], v_token, 0.0)
     pv = lax.dot_general(
-      p.astype(dot_dtype),
+      pv_weights.astype(dot_dtype),
       v,
       (((1,), (0,)), ((), ())),
       precision=precision,
@@ -174,12 +190,15 @@ def _paged_attention_gpu_kernel(
 
 
 def _paged_attention_gpu(
-  q, k_pages, v_pages, lengths, page_table, scales, *, sm_scale, block_sizes, interpret
-):
+  q, k_pages, v_pages, lengths, page_table, scales, *, sm_scale, block_sizes, interpret,
+  token_scales=None,
+):  # fmt: skip
   """pallas_call of the GPU kernel over (batch, kv_head, split) + split-K merge.
 
   Shapes: q [B, H, D]; pages [Hkv, P, page, D]; lengths i32[B];
-  page_table i32[B, pps] (already sanitized); scales f32[Hkv, 2].
+  page_table i32[B, pps] (already sanitized); scales f32[Hkv, 2]; token_scales
+  None or (k, v) f32[Hkv, P, page] per-token scales (each head's whole scale pool
+  is a block, indexed by the page table like the pages).
   """
   batch, num_heads, head_dim = q.shape
   num_kv_heads, total_pages, page_size, _ = k_pages.shape
@@ -236,6 +255,7 @@ def _paged_attention_gpu(
     sm_scale=sm_scale,
     pages_per_compute_block=ppcb,
     dot_dtype=dot_dtype,
+    per_token=token_scales is not None,
   )
   grid = (batch, num_kv_heads, num_splits)
   out_shape = (
@@ -244,6 +264,10 @@ def _paged_attention_gpu(
     jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, block_h), jnp.float32),
   )
   pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0))
+  token_specs, token_args = [], []
+  if token_scales is not None:
+    token_spec = pl.BlockSpec((None, total_pages, page_size), lambda b, h, s: (h, 0, 0))
+    token_specs, token_args = [token_spec, token_spec], list(token_scales)
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
@@ -260,6 +284,7 @@ def _paged_attention_gpu(
       pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
       pool_spec,  # k_pages
       pool_spec,  # v_pages
+      *token_specs,  # per-token k, v scales [Hkv, P, page]
     ],
     out_specs=[
       pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -270,7 +295,7 @@ def _paged_attention_gpu(
     interpret=interpret,
     compiler_params=compiler_params,
     name="rlx_paged_attention_gpu",
-  )(lengths[:, None], scales, page_table, q, k_pages, v_pages)
+  )(lengths[:, None], scales, page_table, q, k_pages, v_pages, *token_args)
 
   # Split-K merge (log-sum-exp). A sequence with length >= 1 has tokens in split 0;
   # an idle slot (length 0, only possible under jit) has denominator 0 -> output 0.
@@ -321,10 +346,12 @@ def _paged_attention_xla(
   are stacked `[L, Hkv, P, page, D]` and the layer index is part of every gather
   index, so no layer slice of the pool is ever materialised (a slice feeding a
   `lax.cond` would be copied whole). Inputs validated; lengths already clamped into
-  [0, capacity]; scales f32[Hkv].
+  [0, capacity]; scales f32[Hkv], or per-token f32 scales of the pools' shape without D.
   """
   if layer is None:
     k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
+    if k_scale.ndim > 1:
+      k_scale, v_scale = k_scale[None], v_scale[None]
   batch, num_heads, head_dim = q.shape
   _, num_kv_heads, total_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -344,7 +371,11 @@ def _paged_attention_xla(
 
   def gather(pages, cols, scale, valid):
     x = gather_pages(pages, layer, cols).astype(jnp.float32)  # [B, Hkv, T, D]
-    return jnp.where(valid[:, None, :, None], x * scale[None, :, None, None], 0.0)
+    if scale.ndim > 1:  # per-token [L, Hkv, P, page] scales, gathered like the pages
+      x = x * gather_token_scales(scale, layer, cols)[..., None]
+    else:
+      x = x * scale[None, :, None, None]
+    return jnp.where(valid[:, None, :, None], x, 0.0)
 
   def body(j, carry):
     m, denom, acc = carry
@@ -385,14 +416,19 @@ def _paged_attention_xla(
 
 
 def validate_paged_attention_inputs(
-  q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, k_scale=None, v_scale=None
-):
+  q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, k_scale=None, v_scale=None,
+  pool_shape=None,
+):  # fmt: skip
   """Checks shapes, dtypes and (when concrete) lengths; shared by kernels and reference.
+
+  `pool_shape` is the shape of the pools as passed (the stacked `[L, Hkv, P,
+  page, D]` one when `k_pages` stands for one layer of it); per-token scales
+  have that shape without D. None: `k_pages.shape`.
 
   Returns:
     `(sm_scale, k_scale, v_scale)` with `sm_scale` a Python float and the scales
     float32 arrays of shape `[Hkv]` (scalars broadcast; `None` means 1.0 for
-    bf16/f32 pages).
+    bf16/f32 pages), or both per-token (`pool_shape[:-1]`).
 
   Raises:
     ValueError naming the offending argument.
@@ -482,8 +518,10 @@ def validate_paged_attention_inputs(
   else:
     raise ValueError(f"`sm_scale` must be a Python float or None, got {type(sm_scale).__name__}.")
 
-  k_scale = check_kv_scale(k_scale, num_kv_heads, "k_scale", k_pages.dtype)
-  v_scale = check_kv_scale(v_scale, num_kv_heads, "v_scale", k_pages.dtype)
+  k_scale, v_scale = check_kv_scale_pair(
+    k_scale, v_scale, num_kv_heads, k_pages.dtype,
+    k_pages.shape if pool_shape is None else pool_shape,
+  )  # fmt: skip
   return sm_scale, k_scale, v_scale
 
 
@@ -526,22 +564,31 @@ def _paged_attention_jit(
       or _xla_pages_per_block(page_table.shape[1], page_size), layer=layer,
     )  # fmt: skip
     return out.astype(q.dtype)
+  per_token = k_scale.ndim > 1
   if layer is not None:  # the kernels take one layer's [Hkv, P, page, D] pools
     k_pages = lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)
     v_pages = lax.dynamic_index_in_dim(v_pages, layer, keepdims=False)
+    if per_token:
+      k_scale = lax.dynamic_index_in_dim(k_scale, layer, keepdims=False)
+      v_scale = lax.dynamic_index_in_dim(v_scale, layer, keepdims=False)
   page_table = _sanitize_page_table(page_table, lengths, page_size, total_pages)
-  scales = jnp.stack([k_scale, v_scale], axis=1)  # [Hkv, 2]
+  token_scales = None
+  if per_token:  # static factors 1, the per-token [Hkv, P, page] scales beside the pages
+    token_scales = (k_scale, v_scale)
+    scales = jnp.ones((k_pages.shape[0], 2), jnp.float32)
+  else:
+    scales = jnp.stack([k_scale, v_scale], axis=1)  # [Hkv, 2]
   if impl == "pallas_gpu":
     out = _paged_attention_gpu(
       q, k_pages, v_pages, lengths, page_table, scales, sm_scale=sm_scale,
-      block_sizes=block_sizes, interpret=interpret,
+      block_sizes=block_sizes, interpret=interpret, token_scales=token_scales,
     )  # fmt: skip
   else:
     out = _paged_attention_tpu.paged_attention_tpu(
       q, k_pages, v_pages, lengths, page_table, scales, sm_scale=sm_scale,
       pages_per_compute_block=block_sizes.pages_per_compute_block
       or max(1, _TPU_TOKENS_PER_BLOCK // page_size),
-      interpret=interpret,
+      interpret=interpret, token_scales=token_scales,
     )  # fmt: skip
   return out.astype(q.dtype)
 
@@ -568,6 +615,12 @@ def paged_attention(
 
     K[t] = k_pages[g, page_table[b, t // page], t % page] * k_scale[g]   (same for V)
     out[b, h] = sum_t softmax_t(sm_scale * q[b, h] . K[t]) V[t]
+
+  or, with per-token scales (one per KV head and cached token, stored beside
+  the pages in the pool's layout without D, as `write_kv_pages_per_token`
+  writes them), `K[t] = k_pages[g, page, row] * k_scale[g, page, row]`. The
+  kernels then multiply the logits by the K scales and p by the V scales
+  rather than dequantizing K/V (one multiply per token instead of per element).
 
   References: Kwon et al., "Efficient Memory Management for Large Language Model
   Serving with PagedAttention" (https://arxiv.org/abs/2309.06180; vLLM); online
@@ -620,7 +673,9 @@ def paged_attention(
       sequence's last used page are ignored.
     sm_scale: softmax scale (Python float); None means 1/sqrt(D).
     k_scale: float32 scalar or `[Hkv]` dequantization scale of K (required for
-      FP8 pages; None means 1 otherwise).
+      FP8 pages; None means 1 otherwise), or per-token scales `[Hkv, P,
+      page_size]` (`[L, Hkv, P, page_size]` with `layer`); past a sequence's
+      length they are masked like the pages (may hold anything).
     v_scale: same for V.
     impl: "auto" | "pallas" | "pallas_gpu" | "pallas_tpu" | "xla".
     interpret: Pallas interpret mode (True, or `pltpu.InterpretParams()` for the
@@ -655,6 +710,7 @@ def paged_attention(
     sm_scale, k_scale, v_scale = validate_paged_attention_inputs(
       q, one_layer, jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype), lengths,
       page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+      pool_shape=k_pages.shape,
     )  # fmt: skip
     layer = jnp.asarray(layer, jnp.int32)
   else:
@@ -681,7 +737,7 @@ def paged_attention(
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def _reference_math(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, sm_scale):
-  """float32 paged attention in jnp; inputs validated, scales f32[Hkv]."""
+  """float32 paged attention in jnp; inputs validated, scales f32[Hkv] or per-token."""
   batch, num_heads, head_dim = q.shape
   num_kv_heads, total_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -691,7 +747,11 @@ def _reference_math(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, 
 
   def gather(pages, scale):
     x = pages[:, table].astype(jnp.float32)  # [Hkv, B, pps, page, D]
-    x = x.reshape(num_kv_heads, batch, capacity, head_dim) * scale[:, None, None, None]
+    if scale.ndim > 1:  # per-token [Hkv, P, page]
+      x = x * scale[:, table][..., None]
+    else:
+      x = x * scale[:, None, None, None, None]
+    x = x.reshape(num_kv_heads, batch, capacity, head_dim)
     return jnp.where(valid[None, :, :, None], x, 0.0)
 
   k = gather(k_pages, k_scale)
@@ -730,8 +790,9 @@ def paged_attention_reference(
     lengths: i32`[B]`.
     page_table: i32`[B, pages_per_sequence]`.
     sm_scale: None means 1/sqrt(D).
-    k_scale: float32 scalar or `[Hkv]` (None: 1, not allowed for FP8 pages).
-    v_scale: same for V.
+    k_scale: float32 scalar or `[Hkv]` (None: 1, not allowed for FP8 pages), or
+      per-token `[Hkv, P, page_size]`.
+    v_scale: same for V (the same kind as `k_scale`).
 
   Returns:
     float32 `[B, H, D]`.

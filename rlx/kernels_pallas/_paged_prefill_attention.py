@@ -25,13 +25,26 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from rlx.kernels_pallas._common import MASK_VALUE, check_kv_scale, gather_pages, is_concrete
+from rlx.kernels_pallas._common import (
+  MASK_VALUE,
+  check_kv_scale_pair,
+  gather_pages,
+  gather_token_scales,
+  is_concrete,
+)
 from rlx.kernels_pallas._fp8_quant import saturating_cast
+from rlx.kernels_pallas._kv_write import quantize_per_token
 from rlx.kernels_pallas._paged_attention import PAGE_DTYPES, Q_DTYPES
 
 
 def _as_stored(x, scale, page_dtype):
-  """What a page read returns for `x` [B, C, Hkv, D] written with `write_kv_pages` (f32)."""
+  """What a page read returns for `x` [B, C, Hkv, D] written with `write_kv_pages` (f32).
+
+  With per-token scales (`scale.ndim > 1`), what `write_kv_pages_per_token` stores.
+  """
+  if scale.ndim > 1:
+    vals, token_scale = quantize_per_token(x, page_dtype)
+    return vals.astype(jnp.float32) * token_scale[..., None]
   scale = scale[None, None, :, None]
   return saturating_cast(x.astype(jnp.float32) / scale, page_dtype).astype(jnp.float32) * scale
 
@@ -51,7 +64,7 @@ def _own_mask(c: int, num_new):
 def _prefill_attention_xla(
   q, k, v, k_pages, v_pages, start, num_new, page_table, k_scale, v_scale, layer, *, sm_scale
 ):
-  """Inputs validated; pools stacked `[L, Hkv, P, page, D]`; scales f32[Hkv]."""
+  """Inputs validated; pools stacked `[L, Hkv, P, page, D]`; scales f32[Hkv] or per-token."""
   b, c, h, d = q.shape
   hkv = k.shape[2]
   group = h // hkv
@@ -72,7 +85,11 @@ def _prefill_attention_xla(
 
     def gather(pages, scale):  # [B, Hkv, cap, D], zero past start
       x = gather_pages(pages, layer, table).astype(jnp.float32)
-      return jnp.where(ok[:, None, :, None], x * scale[None, :, None, None], 0.0)
+      if scale.ndim > 1:  # per-token [L, Hkv, P, page]
+        x = x * gather_token_scales(scale, layer, table)[..., None]
+      else:
+        x = x * scale[None, :, None, None]
+      return jnp.where(ok[:, None, :, None], x, 0.0)
 
     kk, vv = gather(k_pages, k_scale), gather(v_pages, v_scale)
     sc = jnp.einsum("bchgd,bhld->bhgcl", qg, kk, precision=hp)
@@ -119,7 +136,8 @@ def validate_paged_prefill_inputs(
   Returns:
     `(k_pages, v_pages, layer, sm_scale, k_scale, v_scale)`: pools stacked
     `[L, Hkv, P, page, D]` (a `[Hkv, P, page, D]` pool gets L = 1), `layer` an
-    int32 scalar, `sm_scale` a Python float, scales float32 `[Hkv]`.
+    int32 scalar, `sm_scale` a Python float, scales float32 `[Hkv]`, or both
+    per-token `[L, Hkv, P, page]` (stacked like the pools).
 
   Raises:
     ValueError naming the offending argument.
@@ -133,6 +151,8 @@ def validate_paged_prefill_inputs(
     _check_array(x, name, rank)
   if layer is None:
     k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    if np.ndim(k_scale) > 1 and np.ndim(v_scale) > 1:  # per-token [Hkv, P, page]
+      k_scale, v_scale = k_scale[None], v_scale[None]
   if np.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
     raise ValueError(f"`layer` must be an integer scalar or None, got {layer!r}.")
   if is_concrete(layer) and not 0 <= int(layer) < k_pages.shape[0]:
@@ -178,8 +198,7 @@ def validate_paged_prefill_inputs(
     sm_scale = 1.0 / math.sqrt(d)
   elif isinstance(sm_scale, bool) or not isinstance(sm_scale, int | float | np.floating):
     raise ValueError(f"`sm_scale` must be a Python float or None, got {sm_scale!r}.")
-  k_scale = check_kv_scale(k_scale, hkv, "k_scale", k_pages.dtype)
-  v_scale = check_kv_scale(v_scale, hkv, "v_scale", k_pages.dtype)
+  k_scale, v_scale = check_kv_scale_pair(k_scale, v_scale, hkv, k_pages.dtype, k_pages.shape)
   return k_pages, v_pages, jnp.asarray(layer, jnp.int32), float(sm_scale), k_scale, v_scale
 
 
@@ -203,6 +222,7 @@ def paged_prefill_attention(
   For row b, query c (position start[b] + c), query head h (KV head g = h // (H / Hkv)):
 
     keys:  K[t] = k_pages[g, page_table[b, t // page], t % page] * k_scale[g], t < start[b]
+           (k_scale[g, page, row] with per-token scales)
            K[start[b] + c'] = round_page(k[b, c', g] / k_scale[g]) * k_scale[g],
                               c' <= c, c' < num_new[b]                     (same for V)
     out[b, c, h] = sum_t softmax_t(sm_scale * q[b, c, h] . K[t]) V[t]
@@ -225,8 +245,11 @@ def paged_prefill_attention(
     page_table: i32`[B, pages_per_sequence]`; entries past a row's cached pages are
       ignored (out-of-range entries are clamped).
     sm_scale: softmax scale (Python float); None means 1/sqrt(D).
-    k_scale: float32 scalar or `[Hkv]` (required for FP8 pages; None means 1).
-    v_scale: same for V.
+    k_scale: float32 scalar or `[Hkv]` (required for FP8 pages; None means 1), or
+      per-token scales of the pool's shape without D (`[Hkv, P, page_size]`, or
+      `[L, Hkv, P, page_size]` with `layer`), as `write_kv_pages_per_token` writes
+      them; the chunk's own K/V are then rounded with their own per-token scales.
+    v_scale: same for V (the same kind as `k_scale`).
     layer: None for `[Hkv, P, page, D]` pools, else the layer of stacked pools (int
       or traced int32 scalar): its pages are gathered straight from the stack.
 
@@ -285,7 +308,11 @@ def paged_prefill_attention_reference(
   cached_ok = jnp.arange(capacity)[None, :] < start[:, None]  # [B, cap]
 
   def dense(pages, new, scale):  # [B, capacity + C, Hkv, D]; zero where not cached
-    cached = pages[layer][:, table].astype(jnp.float32) * scale[:, None, None, None, None]
+    cached = pages[layer][:, table].astype(jnp.float32)  # [Hkv, B, pps, page, D]
+    if scale.ndim > 1:  # per-token [L, Hkv, P, page]
+      cached = cached * scale[layer][:, table][..., None]
+    else:
+      cached = cached * scale[:, None, None, None, None]
     cached = cached.reshape(hkv, b, capacity, d).transpose(1, 2, 0, 3)
     cached = jnp.where(cached_ok[:, :, None, None], cached, 0.0)
     return jnp.concatenate([cached, _as_stored(new, scale, pages.dtype)], axis=1)

@@ -25,6 +25,7 @@ PUBLIC = (
   "saturating_cast",
   "validate_paged_attention_inputs",
   "write_kv_pages",
+  "write_kv_pages_per_token",
 )
 
 
