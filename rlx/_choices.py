@@ -17,6 +17,9 @@ FP8_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, **FP8_DTYPES}
 # kv_dtype names a sampler and the RL config accept: "auto" = the model's compute dtype.
 KV_DTYPE_NAMES = ("auto", *KV_DTYPES)
+# kv_scale_mode names: "static" = calibrated scales per layer (and KV head) passed by the
+# caller; "per_token" = a scale per cached token and KV head, written with the pages.
+KV_SCALE_MODES = ("static", "per_token")
 # weight_dtype names: "auto" = the params' own leaves; FP8 = W8A8 decoder linears.
 WEIGHT_DTYPES = ("auto", *FP8_DTYPES)
 # `impl` of the rlx.kernels_pallas kernels (`paged_attention`, `fp8_blockwise_matmul`;

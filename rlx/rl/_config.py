@@ -44,6 +44,7 @@ WEIGHT_DTYPES = _choices.WEIGHT_DTYPES
 OLD_LOGP_MODES = ("current", "behaviour", "sampler", "ewma")
 KV_DTYPES = _choices.KV_DTYPE_NAMES  # "auto": the model's compute dtype
 FP8_DTYPES = tuple(_choices.FP8_DTYPES)
+KV_SCALE_MODES = _choices.KV_SCALE_MODES
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -165,6 +166,11 @@ def _add_task_model_and_rollout(c: ml_collections.ConfigDict) -> None:
   # refresh runs inside the one compiled program (not timed separately).
   # (A config that still sets `sampler.kv_dtype` is read as this field.)
   c.rollout.kv_dtype = "float32"
+  # How an FP8 KV cache is scaled: "static" = the calibrated per-layer, per-KV-head
+  # scales above; "per_token" = each cached token's own scale per KV head
+  # (amax / fp8 max, written with its K/V; no calibration, nothing checkpointed;
+  # rlx.sampling.SamplerConfig.kv_scale_mode). Needs an FP8 rollout.kv_dtype.
+  c.rollout.kv_scale_mode = "static"
 
 
 def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
@@ -351,6 +357,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     )
   _choice(config.rollout.weight_dtype, WEIGHT_DTYPES, "config.rollout.weight_dtype")
   kv_dtype(config)
+  _choice(config.rollout.kv_scale_mode, KV_SCALE_MODES, "config.rollout.kv_scale_mode")
+  if config.rollout.kv_scale_mode == "per_token" and kv_dtype(config) not in FP8_DTYPES:
+    raise ValueError(
+      "`config.rollout.kv_scale_mode`='per_token' needs an FP8 `config.rollout.kv_dtype` "
+      f"({sorted(FP8_DTYPES)}), got {kv_dtype(config)!r}."
+    )
   _choice(rl.reward, REWARD_MODES, "config.rl.reward")
   _choice(rl.old_logp, OLD_LOGP_MODES, "config.rl.old_logp")
   _choice(rl.staleness_ring, _staleness.RING_PLACES, "config.rl.staleness_ring")

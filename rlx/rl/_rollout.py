@@ -84,6 +84,7 @@ def sampler_kwargs(
     max_prompt_len=max_prompt,
     max_new_tokens=max_new,
     kv_dtype=kv_dtype,
+    kv_scale_mode="static" if greedy else str(config.rollout.kv_scale_mode),
     weight_dtype=weight_dtype,
     temperature=0.0 if greedy else float(config.rl.temperature),
     top_k=int(s.top_k),
@@ -135,8 +136,12 @@ class Fp8Refresh:
   just trained on; `rlx.sampling.calibrate_kv_scales`, vLLM's headroom).
   Params and scales are traced values of the sampler: nothing recompiles.
 
+  With per-token KV scales (`SamplerConfig.kv_scale_mode` "per_token") there
+  is nothing to calibrate: the sampler scales each token as it writes it.
+
   Attributes:
-    weight_fp8, kv_fp8: which halves are FP8.
+    weight_fp8: whether the linears are FP8.
+    kv_fp8: whether the KV cache is FP8 with static scales (calibrated here).
     params: the last refreshed rollout params (None before the first refresh).
     kv_scales: (k_scale, v_scale) f32[L, Hkv], or None (before the first
       calibration, or without FP8 KV).
@@ -152,8 +157,9 @@ class Fp8Refresh:
     self.sampler_config = cfg
     self.model_config = sampler.model_config
     self.weight_fp8 = cfg.weight_dtype in FP8_DTYPES
-    self.kv_fp8 = cfg.kv_dtype in FP8_DTYPES
-    if not (self.weight_fp8 or self.kv_fp8):
+    # Static FP8 KV scales are calibrated here; per-token ones are the sampler's own.
+    self.kv_fp8 = cfg.kv_dtype in FP8_DTYPES and cfg.kv_scale_mode == "static"
+    if not (self.weight_fp8 or cfg.kv_dtype in FP8_DTYPES):
       raise ValueError(
         f"Fp8Refresh needs a sampler with an FP8 weight_dtype or kv_dtype, got "
         f"weight_dtype={cfg.weight_dtype!r}, kv_dtype={cfg.kv_dtype!r}."

@@ -550,6 +550,7 @@ def _summary(config, spec, workdir, parts, loop, resumed_from) -> dict[str, Any]
     "refresh_s_mean": float(np.mean(refresh_s)) if refresh_s else driver.refresh_probe_s,
     "rollout_weight_dtype": driver.rollout_kwargs["weight_dtype"],
     "rollout_kv_dtype": driver.rollout_kwargs["kv_dtype"],
+    "rollout_kv_scale_mode": driver.rollout_kwargs["kv_scale_mode"],
     "wall_time_s": None,
     "resumed_from_iteration": resumed_from,
     "plots": plots,

@@ -3,6 +3,8 @@
 State (all device arrays, static shapes; S slots, P pages, L layers):
 
   KVPool     k, v                    [L, Hkv, P, page, D]  stacked page pools
+             k_scale, v_scale        f32[L, Hkv, P, page]  per-token scales
+                                     (kv_scale_mode "per_token"; else None)
   PageState  page_table              i32[S, pages_per_sequence]
              refcount                i32[P]   slots (and prompt holders) using a page
              free_stack, num_free    i32[P], i32[]   free pages are free_stack[:num_free]
@@ -52,10 +54,16 @@ from rlx.sampling._sample import sample_from_uniforms, sample_uniforms
 
 
 class KVPool(NamedTuple):
-  """Stacked K and V page pools, `[L, Hkv, P, page_size, D]` each."""
+  """Stacked K and V page pools, `[L, Hkv, P, page_size, D]` each, and their per-token scales.
+
+  `k_scale` / `v_scale`: float32 `[L, Hkv, P, page_size]` with per-token FP8
+  scales (`write_kv_pages_per_token`), None with static scales.
+  """
 
   k: jax.Array
   v: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
 
 
 class PageState(NamedTuple):
@@ -184,6 +192,7 @@ class Engine:
     self.config = config
     self.mesh = mesh
     self.page_dtype = config.page_dtype(model_config.compute_dtype)
+    self.per_token = config.kv_scale_mode == "per_token"
     self.pages_per_sequence = config.pages_per_sequence
     self.greedy = config.temperature == 0.0
     self.use_top_p = config.top_p < 1.0
@@ -246,7 +255,30 @@ class Engine:
     m = self.model
     shape = (m.num_layers, m.num_kv_heads, num_pages, self.config.page_size, m.head_dim)
     zeros = jnp.zeros(shape, self.page_dtype, device=self.pool_sharding())
-    return KVPool(zeros, jnp.zeros(shape, self.page_dtype, device=self.pool_sharding()))
+    pool = KVPool(zeros, jnp.zeros(shape, self.page_dtype, device=self.pool_sharding()))
+    if self.per_token:
+      ones = jnp.ones(shape[:-1], jnp.float32, device=self.pool_sharding())
+      pool = pool._replace(k_scale=ones, v_scale=jnp.ones_like(ones))
+    return pool
+
+  def _write(self, pool, k, v, start, page_table, num_new, k_scale, v_scale, layer):
+    """Writes K/V of layer `layer` into the pool (and their scales with per-token scales).
+
+    Returns `(pool, k_scale, v_scale)`: the scales the layer's pages are read with
+    (the static `[Hkv]` ones passed in, or the pool's per-token scale pools).
+    """
+    if self.per_token:
+      kp, vp, ks, vs = kernels_pallas.write_kv_pages_per_token(
+        pool.k, pool.v, pool.k_scale, pool.v_scale, k, v, start, page_table, num_new=num_new,
+        layer=layer,
+      )  # fmt: skip
+      pool = KVPool(*(self._constrain(x, "pool") for x in (kp, vp, ks, vs)))
+      return pool, pool.k_scale, pool.v_scale
+    kp, vp = kernels_pallas.write_kv_pages(
+      pool.k, pool.v, k, v, start, page_table, num_new=num_new, k_scale=k_scale,
+      v_scale=v_scale, layer=layer,
+    )  # fmt: skip
+    return KVPool(self._constrain(kp, "pool"), self._constrain(vp, "pool")), k_scale, v_scale
 
   # --------------------------------------------------------------------------------------
   # Attention pieces.
@@ -272,6 +304,7 @@ class Engine:
       return attend(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale, layer)
     b, t = self._batch_axes, self._tensor_axis
     pool = PartitionSpec(None, t)
+    scale = pool if self.per_token else PartitionSpec(t)
     return jax.shard_map(
       attend,
       mesh=self.mesh,
@@ -281,8 +314,8 @@ class Engine:
         pool,
         PartitionSpec(b),
         PartitionSpec(b),
-        PartitionSpec(t),
-        PartitionSpec(t),
+        scale,
+        scale,
         PartitionSpec(),
       ),  # fmt: skip
       out_specs=PartitionSpec(b, t),
@@ -308,11 +341,7 @@ class Engine:
 
     def hook(i, q, k, v, pool, *, positions, segment_ids):
       del segment_ids
-      ks, vs = k_scale[i], v_scale[i]
-      kp, vp = kernels_pallas.write_kv_pages(
-        pool.k, pool.v, k, v, start, page_table, num_new=num_new, k_scale=ks, v_scale=vs, layer=i
-      )
-      pool = KVPool(self._constrain(kp, "pool"), self._constrain(vp, "pool"))
+      pool, ks, vs = self._write(pool, k, v, start, page_table, num_new, k_scale[i], v_scale[i], i)
       # Reads only positions < start of the written pool (so the write stays in place).
       out = kernels_pallas.paged_prefill_attention(
         q, k, v, pool.k, pool.v, start, num_new, page_table, k_scale=ks, v_scale=vs, layer=i
@@ -324,10 +353,17 @@ class Engine:
     return pool
 
   def _copy_pages(self, pool, src, dst):
-    """pool[:, :, dst[i]] = pool[:, :, src[i]] for every layer (dst = P: no-op row)."""
-    k = pool.k.at[:, :, dst].set(pool.k[:, :, jnp.clip(src, 0, pool.k.shape[2] - 1)], mode="drop")
-    v = pool.v.at[:, :, dst].set(pool.v[:, :, jnp.clip(src, 0, pool.v.shape[2] - 1)], mode="drop")
-    return KVPool(self._constrain(k, "pool"), self._constrain(v, "pool"))
+    """pool[:, :, dst[i]] = pool[:, :, src[i]] for every layer (dst = P: no-op row), scales too."""
+    src = jnp.clip(src, 0, pool.k.shape[2] - 1)
+
+    def copy(x):
+      return (
+        None
+        if x is None
+        else self._constrain(x.at[:, :, dst].set(x[:, :, src], mode="drop"), "pool")
+      )
+
+    return KVPool(*(copy(x) for x in pool))
 
   # --------------------------------------------------------------------------------------
   # Decode.
@@ -362,15 +398,12 @@ class Engine:
 
     def hook(i, q, k, v, pool, *, positions, segment_ids):
       del positions, segment_ids
-      ks, vs = k_scale[i], v_scale[i]
-      kp, vp = kernels_pallas.write_kv_pages(
-        pool.k, pool.v, k[:, 0], v[:, 0], length, table, num_new=run.astype(jnp.int32),
-        k_scale=ks, v_scale=vs, layer=i,
-      )  # fmt: skip
-      kp, vp = self._constrain(kp, "pool"), self._constrain(vp, "pool")
+      pool, ks, vs = self._write(
+        pool, k[:, 0], v[:, 0], length, table, run.astype(jnp.int32), k_scale[i], v_scale[i], i
+      )
       q = self._constrain(q[:, 0], "q")
-      out = self._paged_attention(q, kp, vp, attend_len, table, ks, vs, i)
-      return out[:, None], KVPool(kp, vp)
+      out = self._paged_attention(q, pool.k, pool.v, attend_len, table, ks, vs, i)
+      return out[:, None], pool
 
     x = policy.embed(params, model, slots.last_token[:, None])
     x, pool = policy.layer_scan(

@@ -357,6 +357,14 @@ class Sampler:
     m = self.model_config
     shape = (m.num_layers, m.num_kv_heads)
     fp8 = jnp.dtype(self._engine.page_dtype).itemsize == 1
+    if self._engine.per_token:
+      if kv_scales is not None:
+        raise ValueError(
+          "`kv_scales` must be None with kv_scale_mode='per_token' (each token's scale is "
+          "computed when its K/V are written)."
+        )
+      ones = np.ones(shape, np.float32)  # unused: the pool holds the scales
+      return ones, ones
     if kv_scales is None:
       if fp8:
         raise ValueError(
@@ -444,8 +452,9 @@ class Sampler:
       rng: a `jax.random` key; sample j of prompt i uses
         `fold_in(fold_in(fold_in(rng, i), j), t)` for its t-th token.
       kv_scales: optional (k_scale, v_scale) float arrays, scalar / [L] /
-        [L, Hkv] (K = page * k_scale); required for FP8 KV. Traced: changing
-        them does not recompile.
+        [L, Hkv] (K = page * k_scale); required for FP8 KV with
+        kv_scale_mode "static", None with "per_token". Traced: changing them
+        does not recompile.
 
     Returns:
       `Completions`, N = len(prompts) * num_samples rows, prompt-major.

@@ -226,3 +226,62 @@ def test_rollout_params_are_quantized_into_the_fp8_layout_on_the_mesh():
   fp8.calibrate_prompts(sharded, [e.prompt_ids for e in task.split("train")[:2]], num_samples=4,
                         width=kwargs["max_prompt_len"] + kwargs["max_new_tokens"])  # fmt: skip
   assert all(s.sharding.is_equivalent_to(fp8._replicated, 2) for s in fp8.kv_scales)
+
+
+def test_per_token_kv_scales_in_the_loop_need_no_calibration_and_fuse(tmp_path):
+  """`rollout.kv_scale_mode = "per_token"`: the sampler scales each token as it writes it,
+  so nothing is calibrated or checkpointed; the fused step equals the host iteration,
+  and a run with partial rollouts reports the mismatch; per_token without FP8 KV is
+  rejected naming the field."""
+  with pytest.raises(ValueError, match="config.rollout.kv_scale_mode"):
+    rl.validate_config(
+      _config(**{"rollout.kv_dtype": "bfloat16", "rollout.kv_scale_mode": "per_token"})
+    )
+  config = _config(**{"rollout.kv_scale_mode": "per_token"})
+  task = tasks.make_task(TASK, **config.task.kwargs.to_dict())
+  mesh = rl.build_mesh(config)
+  model_config, params = rl.build_model(config, task)
+  kwargs = rl.sampler_kwargs(config, task, rows=8, greedy=False)
+  assert kwargs["kv_scale_mode"] == "per_token"
+  assert rl.sampler_kwargs(config, task, rows=8, greedy=True)["kv_scale_mode"] == "static"
+  sampler = rl.make_sampler(model_config, kwargs, mesh)
+  learner = rl.Learner(config, task, model_config, mesh)
+  rollout = _rollout_for(sampler, kwargs)
+  assert rollout.fp8.weight_fp8 and not rollout.fp8.kv_fp8
+  assert rollout.fp8.generate_kwargs() == {} and rollout.fp8.state_dict() == {}
+  rl_step = rl.make_rl_step(learner, sampler)
+  examples = list(task.split("train")[:2])
+  ref = jax.tree.map(lambda x: x + 0.0, _state(config, params, model_config, mesh).params)
+  host, fused = (_state(config, params, model_config, mesh) for _ in range(2))
+  for it in range(2):
+    rng = jax.random.PRNGKey(20 + it)
+    host, host_metrics, _ = learner.iteration(host, ref, rollout, examples, rng)
+    fused, fused_metrics = rl_step.from_examples(fused, ref, examples, rng)
+    fused_metrics = {k: float(v) for k, v in train.to_host(fused_metrics).items()}
+    for name in ("reward_mean", "loss", "mismatch_k1", "mismatch_k3"):
+      np.testing.assert_allclose(fused_metrics[name], host_metrics[name], rtol=1e-4, atol=1e-6)
+    assert host_metrics["mismatch_k3"] > 0
+  assert sampler._pool.k_scale is not None
+
+  run = rl_test_utils.run_config(
+    **FP8,
+    **{
+      "rollout.kv_scale_mode": "per_token",
+      "rl.iterations": 2,
+      "rl.prompts_per_iteration": 4,
+      "checkpoint.every": 2,
+      "eval.every": 2,
+      "rollout.over_provision": 2.0,
+      "sampler.max_slots": 8,
+      "sampler.max_new_tokens": 6,
+    },
+  )
+  summary = rl.run(run, str(tmp_path))
+  assert summary["iterations"] == 2 and summary["rollout_kv_scale_mode"] == "per_token"
+  records = [
+    r for r in rl.read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if r["phase"] == "rl"
+  ]
+  assert all(r["mismatch_k3"] > 0 for r in records)
+  abstract = train.abstract_train_state(*_model_and_train(run), rl.build_mesh(run))
+  with train.Checkpointer(os.path.join(tmp_path, "checkpoints")) as ckpt:
+    assert "kv_scales" not in (ckpt.restore(abstract).extra or {})

@@ -225,3 +225,40 @@ def test_fp8_generate_fn_under_jit(params, samplers):
   assert float(np.mean(np.asarray(out_tokens) == ref.tokens)) >= 0.9
   first = np.asarray(out_tokens)[:, 0] == ref.tokens[:, 0]
   np.testing.assert_allclose(np.asarray(out_logp)[first, 0], ref.logprobs[first, 0], atol=1e-4)
+
+
+def test_per_token_kv_logprobs_equal_a_forward_over_per_token_rounded_kv(params):
+  """The sampler with per-token FP8 KV records the log-probs of the dense forward whose
+  attention reads K/V rounded exactly as `write_kv_pages_per_token` stores them (each
+  token and KV head scaled by amax / 448): the whole path (prefill chunk, decode write,
+  paged reads) applies the definition, and nothing else. The pool holds f32 scales of
+  the pool's shape without D (4 / D more bytes per element)."""
+  cfg = dataclasses.replace(
+    HIGH, kv_dtype="fp8_e4m3", kv_scale_mode="per_token", temperature=1.0, prefill_chunk=4
+  )
+  sampler = sampling.Sampler(MODEL, cfg)
+  out = sampler.generate(params, PROMPTS, num_samples=2, rng=jax.random.key(2))
+  pool = sampler._pool
+  assert pool.k_scale.shape == pool.k.shape[:-1] and pool.k_scale.dtype == jnp.float32
+
+  def rounded(x):
+    x = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.abs(x).max(-1, keepdims=True), 1e-10) / 448.0
+    return (x / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+
+  def attention(i, q, k, v, *, positions, segment_ids):
+    del i, positions
+    return policy.dense_causal_attention(q, rounded(k), rounded(v), segment_ids)
+
+  n = len(out.lengths)
+  seqs = np.zeros((n, HIGH.max_prompt_len + cfg.max_new_tokens), np.int32)
+  mask = np.zeros_like(seqs)
+  for r in range(n):
+    p, g = PROMPTS[out.prompt_index[r]], out.lengths[r]
+    seqs[r, : len(p)], seqs[r, len(p) : len(p) + g] = p, out.tokens[r, :g]
+    mask[r, len(p) : len(p) + g] = 1
+  logits = policy.forward(params, MODEL, jnp.asarray(seqs), attention_fn=attention)
+  logp, _ = policy.logprobs_from_logits(logits, jnp.asarray(seqs), jnp.asarray(mask))
+  for r in range(n):
+    want = np.asarray(logp[r])[mask[r].astype(bool)]
+    np.testing.assert_allclose(out.logprobs[r, : out.lengths[r]], want, atol=2e-4)

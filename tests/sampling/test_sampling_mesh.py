@@ -64,3 +64,33 @@ def test_eight_devices_equal_one():
 
   with pytest.raises(ValueError, match="max_slots"):
     sampling.Sampler(MODEL, dataclasses.replace(CFG, max_slots=6), mesh=mesh)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+@pytest.mark.parametrize(
+  "devices, axes",
+  [(1, dict(data=1)), (2, dict(data=1, tensor=2)), (8, dict(data=2, fsdp=2, tensor=2))],
+)
+def test_per_token_fp8_kv_on_meshes_equals_one_device(devices, axes):
+  """Per-token FP8 scale pools shard like the pages (KV heads over "tensor"); with
+  preemption (6-page pool) the rows equal the single-device run on 1, 2 and 8 devices."""
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(
+    lambda x: x + jnp.asarray(0.3 * rng.normal(size=x.shape), x.dtype),
+    policy.init_params(MODEL, jax.random.key(0)),
+  )
+  cfg = dataclasses.replace(CFG, kv_dtype="fp8_e4m3", kv_scale_mode="per_token")
+  single = sampling.Sampler(MODEL, cfg).generate(
+    params, PROMPTS, num_samples=2, rng=jax.random.key(1)
+  )
+  mesh = rlx.train.make_mesh(**axes, devices=jax.devices()[:devices])
+  state = rlx.train.create_train_state(
+    params, MODEL, rlx.train.get_config(), mesh, rng=jax.random.key(0)
+  )
+  sampler = sampling.Sampler(MODEL, cfg, mesh=mesh)
+  out = sampler.generate(state.params, PROMPTS, num_samples=2, rng=jax.random.key(1))
+  np.testing.assert_array_equal(out.tokens, single.tokens)
+  np.testing.assert_allclose(out.logprobs, single.logprobs, atol=1e-5)
+  assert out.stats["preemptions"] == single.stats["preemptions"] > 0
+  pool = sampler._pool
+  assert tuple(pool.k_scale.sharding.spec) == tuple(pool.k.sharding.spec)[:2]  # (None, tensor)

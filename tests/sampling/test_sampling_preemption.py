@@ -231,15 +231,20 @@ def test_prefix_sharing_several_prompts_and_page_multiples(params, samplers, mon
     np.testing.assert_allclose(alone.logprobs[0], out.logprobs[r], atol=1e-5)
 
 
-def test_fp8_kv_with_preemption_and_stop_tokens(params, monkeypatch):
+@pytest.mark.parametrize("kv_scale_mode", ["static", "per_token"])
+def test_fp8_kv_with_preemption_and_stop_tokens(params, monkeypatch, kv_scale_mode):
   """FP8 pages, a 5-page pool (preempts) and stop tokens vs the same with 48 pages.
 
   Rows must equal the big pool's, and each row must be the stop-free row cut after
-  its first stop token (same per-position keys).
+  its first stop token (same per-position keys). With per-token scales the
+  preempted rows' recomputed K/V get their scales written again, and shared
+  prompt pages are copied with theirs.
   """
-  fp8 = dataclasses.replace(SAMPLED, kv_dtype="fp8_e4m3")
+  fp8 = dataclasses.replace(SAMPLED, kv_dtype="fp8_e4m3", kv_scale_mode=kv_scale_mode)
   padded = jnp.asarray([p + [0] * (SAMPLED.max_prompt_len - len(p)) for p in PROMPTS], jnp.int32)
-  scales = sampling.calibrate_kv_scales(params, MODEL, padded, padded > 0)
+  scales = None
+  if kv_scale_mode == "static":
+    scales = sampling.calibrate_kv_scales(params, MODEL, padded, padded > 0)
   key = jax.random.key(4)
   free = sampling.Sampler(MODEL, fp8).generate(
     params, PROMPTS, num_samples=2, rng=key, kv_scales=scales
@@ -251,6 +256,11 @@ def test_fp8_kv_with_preemption_and_stop_tokens(params, monkeypatch):
   audit = _PageAudit(small, monkeypatch)
   out = small.generate(params, PROMPTS, num_samples=2, rng=key, kv_scales=scales)
   assert small._pool.k.dtype == jnp.float8_e4m3fn
+  per_token = kv_scale_mode == "per_token"
+  assert (small._pool.k_scale is not None) == per_token
+  if per_token:  # written scales differ from the initial ones
+    assert small._pool.k_scale.shape == small._pool.k.shape[:-1]
+    assert float(jnp.mean(small._pool.k_scale != 1.0)) > 0.5
   assert out.stats["preemptions"] > 0 and ref.stats["preemptions"] == 0
   assert {"stop", "length"} <= set(out.finish_reason)
   _assert_same_rows(out, ref)
@@ -263,3 +273,23 @@ def test_fp8_kv_with_preemption_and_stop_tokens(params, monkeypatch):
     np.testing.assert_array_equal(out.tokens[r, :g], row[:g])
     np.testing.assert_allclose(out.logprobs[r, :g], free.logprobs[r, :g], atol=1e-5)
     assert not out.tokens[r, g:].any() and not out.logprobs[r, g:].any()
+
+
+def test_per_token_fp8_prefix_copies_carry_their_scales(params):
+  """Per-token FP8 scales: G = 4 samples of a prompt whose partial last page is copied per
+  sample (and 2 full pages shared) equal each sample generated alone (no copy, no share).
+  A copy that left the scales behind would read the copied rows with stale scales."""
+  cfg = dataclasses.replace(SAMPLED, kv_dtype="fp8_e4m3", kv_scale_mode="per_token")
+  sampler, key, g = sampling.Sampler(MODEL, cfg), jax.random.key(5), 4
+  out = sampler.generate(params, [SHARED_PROMPT], num_samples=g, rng=key)
+  assert out.stats["prefill_tokens"] == len(SHARED_PROMPT) - 1  # prefilled once
+  for j in range(g):
+    alone = sampler.generate_requests(
+      params, [SHARED_PROMPT], prompt_index=[0], sample_index=[j], rng=key
+    )
+    np.testing.assert_array_equal(alone.tokens[0], out.tokens[j])
+    np.testing.assert_allclose(alone.logprobs[0], out.logprobs[j], atol=1e-5)
+  with pytest.raises(ValueError, match="`kv_scales` must be None with kv_scale_mode='per_token'"):
+    sampler.generate(params, [SHARED_PROMPT], rng=key, kv_scales=(1.0, 1.0))
+  with pytest.raises(ValueError, match="needs an FP8 `kv_dtype`"):
+    dataclasses.replace(SAMPLED, kv_scale_mode="per_token")
