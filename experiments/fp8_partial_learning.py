@@ -11,6 +11,10 @@ after the other in this process (never two at once), each in
                 linears + FP8 KV, refreshed after every update) with token-level
                 TIS (train.use_rollout_correction, level "token", truncate 2)
   fp8_nocorr    the same FP8 rollout without any correction
+  fp8tok_tis / fp8tok_nocorr
+                fp8_tis / fp8_nocorr with per-token FP8 KV scales
+                (rollout.kv_scale_mode = "per_token": each cached token's own
+                scale per KV head, instead of calibrated per-layer, per-head ones)
   sync_host     high precision, host-driven iteration (rl.fused = False): the
                 synchronous baseline of the partial rollouts (same driver)
   partial       rollout.over_provision = --over_provision (APRIL, host-driven)
@@ -97,6 +101,19 @@ VARIANTS = {
     "train.rollout_correction_kwargs.truncate": 2.0,
   },
   "fp8_nocorr": {"rollout.weight_dtype": "fp8_e4m3", "rollout.kv_dtype": "fp8_e4m3"},
+  "fp8tok_tis": {
+    "rollout.weight_dtype": "fp8_e4m3",
+    "rollout.kv_dtype": "fp8_e4m3",
+    "rollout.kv_scale_mode": "per_token",
+    "train.use_rollout_correction": True,
+    "train.rollout_correction_kwargs.level": "token",
+    "train.rollout_correction_kwargs.truncate": 2.0,
+  },
+  "fp8tok_nocorr": {
+    "rollout.weight_dtype": "fp8_e4m3",
+    "rollout.kv_dtype": "fp8_e4m3",
+    "rollout.kv_scale_mode": "per_token",
+  },
   "sync_host": {"rl.fused": False},
   "partial": {"rl.fused": False, "rollout.over_provision": "OVER"},
   "tail_sync": {"rl.fused": False, "sampler.max_new_tokens": "TAIL"},
@@ -106,6 +123,23 @@ VARIANTS = {
     "sampler.max_new_tokens": "TAIL",
   },
 }
+
+
+# The static-KV-scale variant each per-token variant is paired with, seed by seed.
+STATIC_COUNTERPART = {"fp8tok_tis": "fp8_tis", "fp8tok_nocorr": "fp8_nocorr"}
+
+
+def _paired(stats: dict, variant: str, other: str) -> str:
+  """`variant`'s points minus `other`'s on the same seeds, "mean ± std (n)", or "-"."""
+  diffs = [
+    100 * ((st["after"] - st["before"]) - (o["after"] - o["before"]))
+    for (v, seed), st in stats.items()
+    if v == variant and (o := stats.get((other, seed))) is not None
+  ]
+  if variant == other or not diffs:
+    return "-"
+  spread = f" ± {np.std(diffs, ddof=1):.1f}" if len(diffs) > 1 else ""
+  return f"{np.mean(diffs):+.1f}{spread} (n = {len(diffs)})"
 
 
 def variant_config(base, variant: str, seed: int, iterations: int):
@@ -275,15 +309,18 @@ def mismatch_breakdown(base, num_prompts: int) -> str:
     f"## Where the FP8 mismatch comes from (seed-0 warmed-up policy, {num_prompts} prompts "
     f"x G = {g}, T = {temperature})",
     "",
-    "| rollout weight_dtype | rollout kv_dtype | mismatch k1 | mismatch k3 |",
-    "|---|---|---|---|",
+    "| rollout weight_dtype | rollout kv_dtype | kv_scale_mode | mismatch k1 | mismatch k3 |",
+    "|---|---|---|---|---|",
   ]
-  for weight_dtype, kv_dtype in (
-    ("auto", "float32"), ("auto", "fp8_e4m3"), ("fp8_e4m3", "float32"),
-    ("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "fp8_e5m2"),
+  for weight_dtype, kv_dtype, mode in (
+    ("auto", "float32", "static"), ("auto", "fp8_e4m3", "static"),
+    ("auto", "fp8_e4m3", "per_token"), ("fp8_e4m3", "float32", "static"),
+    ("fp8_e4m3", "fp8_e4m3", "static"), ("fp8_e4m3", "fp8_e4m3", "per_token"),
+    ("fp8_e4m3", "fp8_e5m2", "static"), ("fp8_e4m3", "fp8_e5m2", "per_token"),
   ):  # fmt: skip
     c = config.copy_and_resolve_references()
     c.rollout.weight_dtype, c.rollout.kv_dtype = weight_dtype, kv_dtype
+    c.rollout.kv_scale_mode = mode
     kwargs = rl.sampler_kwargs(c, task, rows=len(prompts) * g, greedy=False)
     rollout = rl.SyncRollout(
       rl.make_sampler(model_config, kwargs, mesh),
@@ -296,7 +333,10 @@ def mismatch_breakdown(base, num_prompts: int) -> str:
       params, model_config, batch.tokens, batch.response_mask, temperature=temperature
     )
     mm = objectives.rollout_mismatch_kl(old, batch.rollout_logp, batch.response_mask)
-    lines.append(f"| {weight_dtype} | {kv_dtype} | {float(mm.k1):.2e} | {float(mm.k3):.2e} |")
+    lines.append(
+      f"| {weight_dtype} | {kv_dtype} | {mode if kv_dtype.startswith('fp8') else '-'} | "
+      f"{float(mm.k1):.2e} | {float(mm.k3):.2e} |"
+    )
   return "\n".join(lines)
 
 
@@ -350,8 +390,9 @@ def table(stats: dict) -> str:
     "## Mean over seeds",
     "",
     "| variant | seeds | test acc after (mean ± std) | points (mean ± std) | "
-    "points − hp's on the same seed (mean ± std) | mismatch k3 | RL s/it |",
-    "|---|---|---|---|---|---|---|",
+    "points − hp's on the same seed (mean ± std) | points − static KV scales' on the same "
+    "seed | mismatch k3 | RL s/it |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for variant in VARIANTS:
     runs = [st for (v, _), st in stats.items() if v == variant]
@@ -361,19 +402,10 @@ def table(stats: dict) -> str:
     pts = 100 * (after - np.asarray([r["before"] for r in runs]))
     sd = (lambda x: f" ± {np.std(x, ddof=1):.1f}") if len(runs) > 1 else (lambda x: "")
     sda = f" ± {np.std(after, ddof=1):.3f}" if len(runs) > 1 else ""
-    paired = [
-      100 * ((st["after"] - st["before"]) - (hp["after"] - hp["before"]))
-      for (v, seed), st in stats.items()
-      if v == variant and (hp := stats.get(("hp", seed))) is not None
-    ]
-    paired_text = "-"
-    if variant != "hp" and paired:
-      paired_text = f"{np.mean(paired):+.1f}" + (
-        f" ± {np.std(paired, ddof=1):.1f}" if len(paired) > 1 else ""
-      )
+    static = STATIC_COUNTERPART.get(variant)
     lines.append(
       f"| {variant} | {len(runs)} | {after.mean():.3f}{sda} | {pts.mean():+.1f}{sd(pts)} | "
-      f"{paired_text} | "
+      f"{_paired(stats, variant, 'hp')} | {_paired(stats, variant, static) if static else '-'} | "
       f"{_fmt(_mean([r['k3'] for r in runs]), '.2e')} | "
       f"{_mean([r['s_per_it'] for r in runs]):.2f} |"
     )

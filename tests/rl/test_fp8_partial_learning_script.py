@@ -78,3 +78,23 @@ def test_table_only_computes_the_phase_medians_and_the_comparison(tmp_path):
   ) in table
   rerun = "Rerun: `python experiments/fp8_partial_learning.py " + " ".join(args) + "`"
   assert rerun in table  # without --table_only: the command that makes the runs
+
+
+def test_table_pairs_per_token_runs_with_their_static_counterparts(tmp_path):
+  afters = {"hp": (0.9, 0.8), "fp8_tis": (0.85, 0.8), "fp8tok_tis": (0.9, 0.83)}
+  for variant, values in afters.items():
+    for seed, after in enumerate(values):
+      _fake_run(tmp_path / f"{variant}_s{seed}", after=after, rollout=[0.1] * 4, partial=False)
+  out = tmp_path / "table.md"
+  runs = ",".join(f"{v}:{s}" for v in afters for s in (0, 1))
+  proc = subprocess.run(
+    [sys.executable, "experiments/fp8_partial_learning.py", f"--workdir={tmp_path}",
+     f"--runs={runs}", f"--out={out}", "--table_only"],
+    cwd=_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+    timeout=300,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  table = out.read_text()
+  # fp8tok_tis - fp8_tis: +5.0 and +3.0 points -> +4.0 ± 1.4 (n = 2); vs hp: 0 and +3.
+  assert "| +1.5 ± 2.1 (n = 2) | +4.0 ± 1.4 (n = 2) |" in table
+  assert "| fp8_tis | 2 | 0.825 ± 0.035 | +32.5 ± 3.5 | -2.5 ± 3.5 (n = 2) | - |" in table
