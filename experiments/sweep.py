@@ -41,7 +41,10 @@ _OUT = flags.DEFINE_string(
   "out", "", "Also write the table (with the rerun command) to this markdown file, the plot beside."
 )
 _NOTE = flags.DEFINE_string(
-  "note", "", "A paragraph for the --out file (e.g. the machine's load while the runs ran)."
+  "note",
+  "",
+  "A paragraph of prose for the --out file (not a setting, not in the rerun command; "
+  "state no numbers the script does not compute: the header reports the load it measures).",
 )
 
 
