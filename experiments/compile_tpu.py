@@ -14,7 +14,9 @@ no chips), traced with abstract sharded params / state / batch
                                  `Sampler.trace_prefill` (the widest call) /
                                  `Sampler.trace_decode` (one window of
                                  steps_per_sync steps)), on the config's bf16 KV
-                                 pages; `_fp8kv`: FP8 (e4m3) KV pages; `_fp8`: rlx's
+                                 pages; `_fp8kv`: FP8 (e4m3) KV pages; `_fp8tok`: FP8
+                                 KV pages with per-token scales (f32 scale pools
+                                 beside the pages, `kv_scale_mode="per_token"`); `_fp8`: rlx's
                                  FP8 rollout, W8A8 decoder linears + FP8 KV, the
                                  params quantized and placed as `rl.Fp8Refresh` does;
   fp8_matmul <linears>           `kernels_pallas.fp8_blockwise_matmul` at each decoder
@@ -134,11 +136,18 @@ _CONFIG_PATH = pathlib.Path(__file__).resolve().parent / "configs" / "gsm8k_hf.p
 
 PROGRAMS = (
   "train_step", "compute_logprobs", "prefill", "decode", "prefill_fp8kv", "decode_fp8kv",
-  "prefill_fp8", "decode_fp8", "fp8_matmul", "rl_step", "rl_step_fp8",
+  "prefill_fp8tok", "decode_fp8tok", "prefill_fp8", "decode_fp8", "fp8_matmul", "rl_step",
+  "rl_step_fp8",
 )  # fmt: skip
-# Sampler programs' rollout dtypes (`config.rollout.weight_dtype`, `config.rollout.kv_dtype`):
-# the config's bf16 KV pages, FP8 KV pages, and rlx's FP8 rollout (W8A8 linears + FP8 KV).
-ROLLOUT_DTYPES = {"": ("auto", None), "_fp8kv": ("auto", "fp8_e4m3"), "_fp8": ("fp8_e4m3",) * 2}
+# Sampler programs' rollout dtypes (`config.rollout.weight_dtype`, `config.rollout.kv_dtype`,
+# `config.rollout.kv_scale_mode`): the config's bf16 KV pages, FP8 KV pages (static or
+# per-token scales), and rlx's FP8 rollout (W8A8 linears + FP8 KV).
+ROLLOUT_DTYPES = {
+  "": ("auto", None, "static"),
+  "_fp8kv": ("auto", "fp8_e4m3", "static"),
+  "_fp8tok": ("auto", "fp8_e4m3", "per_token"),
+  "_fp8": ("fp8_e4m3", "fp8_e4m3", "static"),
+}
 _MOSAIC = "tpu_custom_call"  # the custom-call target of a Pallas Mosaic (TPU) kernel
 TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v6e:2x4", "v5p:2x2x1")
 
@@ -382,10 +391,11 @@ def shapes_task(model: str, load: Workload) -> ShapesTask:
 def rollout_config(config: ml_collections.ConfigDict, program: str) -> ml_collections.ConfigDict:
   """`config` with the rollout dtypes of a sampler program (`ROLLOUT_DTYPES`)."""
   suffix = next(k for k in sorted(ROLLOUT_DTYPES, key=len, reverse=True) if program.endswith(k))
-  weight, kv = ROLLOUT_DTYPES[suffix]
+  weight, kv, mode = ROLLOUT_DTYPES[suffix]
   config = ml_collections.ConfigDict(config.to_dict())
   config.rollout.weight_dtype = weight
   config.rollout.kv_dtype = kv or config.rollout.kv_dtype
+  config.rollout.kv_scale_mode = mode
   return config
 
 
@@ -408,8 +418,10 @@ def rollout_params(mc: policy.ModelConfig, sampler: sampling.Sampler, params: An
 
 
 def kv_scales(mc: policy.ModelConfig, sampler: sampling.Sampler) -> tuple | None:
-  """Abstract f32[L, Hkv] K and V scales, replicated (FP8 KV only), as `rl.Fp8Refresh` holds."""
+  """Abstract f32[L, Hkv] K and V scales, replicated (static FP8 KV), as `rl.Fp8Refresh` has."""
   if jnp.dtype(sampler.config.page_dtype(mc.compute_dtype)).itemsize != 1:
+    return None
+  if sampler.config.kv_scale_mode == "per_token":  # the pool holds them
     return None
   replicated = NamedSharding(sampler.mesh, PartitionSpec())
   scale = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads), jnp.float32, sharding=replicated)
@@ -453,8 +465,10 @@ def _weight_bytes(mc: policy.ModelConfig, fp8_linears: bool) -> float:
   return head + linears * (1 if fp8_linears else jnp.dtype(mc.param_dtype).itemsize)
 
 
-def _kv_bytes_per_token(mc: policy.ModelConfig, page_dtype) -> int:
-  return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * jnp.dtype(page_dtype).itemsize
+def _kv_bytes_per_token(mc: policy.ModelConfig, page_dtype, per_token: bool = False) -> int:
+  """K and V bytes of one cached token over the layers (+ its f32 scales when per-token)."""
+  row = mc.head_dim * jnp.dtype(page_dtype).itemsize + (4 if per_token else 0)
+  return mc.num_layers * 2 * mc.num_kv_heads * row
 
 
 def sampler_roofline(
@@ -471,7 +485,9 @@ def sampler_roofline(
   cfg = sampler.config
   shards = train.batch_axis_size(sampler.mesh)
   fp8 = _fp8_weights(sampler)
-  kv_token = _kv_bytes_per_token(mc, cfg.page_dtype(mc.compute_dtype))
+  kv_token = _kv_bytes_per_token(
+    mc, cfg.page_dtype(mc.compute_dtype), cfg.kv_scale_mode == "per_token"
+  )
   weights = _weight_bytes(mc, fp8)
   if kind == "decode":
     rows, context = cfg.max_slots / shards, prompt_len + cfg.max_new_tokens / 2
@@ -618,7 +634,7 @@ def _rl_step_program(mc, config, load: Workload, mesh, task: ShapesTask) -> Prog
   # streaming the weights and its K/V; then compute_logprobs and the train step.
   c, chips, shards = sampler.config, mesh.size, train.batch_axis_size(mesh)
   p_len, m = task.max_prompt_len, c.max_new_tokens
-  kv_token = _kv_bytes_per_token(mc, c.page_dtype(mc.compute_dtype))
+  kv_token = _kv_bytes_per_token(mc, c.page_dtype(mc.compute_dtype), c.kv_scale_mode == "per_token")
   weights = _weight_bytes(mc, _fp8_weights(sampler))
   sample_flops = (
     load.rows

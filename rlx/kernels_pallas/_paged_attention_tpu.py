@@ -14,9 +14,17 @@ a sequence, the batch and head axes are "parallel" for megacore). The layout
 follows JAX's `jax/experimental/pallas/ops/tpu/paged_attention` kernel
 (PagedAttention, https://arxiv.org/abs/2309.06180).
 
+Optional per-token scales (`token_scales=(k_token, v_token)`, f32
+`[Hkv, P, page_size]`, one scale per stored KV row) multiply the per-head scales:
+K[t] = k_pages[g, page, row] * k_scale[g] * k_token[g, page, row] (V likewise).
+They are applied to the `[G, page]` logits and probabilities rather than to the
+`[page, D]` K/V tiles, and DMA'd in tiles of 8 pages; see `paged_attention_tpu`.
+
 Runs on CPU with `interpret=pltpu.InterpretParams()` (tests); the Mosaic
-lowering is checked on CPU by `jax.export` (tests/kernels_pallas), the TPU
-compiler has not run it yet.
+lowering is checked on CPU by `jax.export` (tests/kernels_pallas), and both the
+per-head and the per-token variants compile with the TPU compiler for a
+compile-only v5e device (tests/kernels_pallas/
+test_kernels_paged_attention_tpu_token.py); not yet run on a TPU chip.
 """
 
 import functools
@@ -35,21 +43,35 @@ def _paged_attention_tpu_kernel(
   page_table_ref,  # SMEM i32[B * pages_per_sequence] (scalar prefetch)
   scales_ref,  # SMEM f32[Hkv * 2]: (k_scale, v_scale) per KV head
   q_ref,  # VMEM [G, D]: query heads of this KV group
-  *refs,  # k page refs ([page, D]) x ppcb, v page refs x ppcb, o_ref [G, D] f32,
+  *refs,  # k page refs ([page, D]) x ppcb, v page refs x ppcb, [with token scales:
+  # k token-scale refs ([8, page] f32: the 8-page tile holding the page) x ppcb,
+  # v token-scale refs x ppcb], o_ref [G, D] f32,
   # then scratch: m [G, 1] f32, l [G, 1] f32, acc [G, D] f32
   sm_scale: float,
   pages_per_compute_block: int,
+  pages_per_sequence: int,
   num_blocks: int,
   dot_dtype,
+  token_scales: bool,
 ):
   ppcb = pages_per_compute_block
   k_refs, v_refs = refs[:ppcb], refs[ppcb : 2 * ppcb]
-  o_ref, m_ref, l_ref, acc_ref = refs[2 * ppcb :]
+  refs = refs[2 * ppcb :]
+  if token_scales:
+    ks_refs, vs_refs = refs[:ppcb], refs[ppcb : 2 * ppcb]
+    refs = refs[2 * ppcb :]
+  o_ref, m_ref, l_ref, acc_ref = refs
   b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   group, head_dim = q_ref.shape
   page_size = k_refs[0].shape[0]
   length = lengths_ref[b]
   block_start = j * (ppcb * page_size)
+
+  def token_scale_row(s_ref, i):
+    """[1, page] scales of page i of this block, from its 8-page tile (see the index map)."""
+    last_page = jnp.maximum(length - 1, 0) // page_size
+    page = page_table_ref[b * pages_per_sequence + jnp.minimum(j * ppcb + i, last_page)]
+    return s_ref[pl.ds(page % 8, 1), :]
 
   @pl.when(j == 0)
   def _init():
@@ -72,11 +94,17 @@ def _paged_attention_tpu_kernel(
       logits = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
       )  # [G, page]
-      logits = jnp.where(col_pos < length, logits * qk_scale, MASK_VALUE)
+      scale = qk_scale
+      if token_scales:  # per-token K scale: [1, page], one per logit column, broadcast over G
+        scale = qk_scale * token_scale_row(ks_refs[i], i)
+      # `where` after the scaling: garbage (NaN / inf) scales past `length` never get through.
+      logits = jnp.where(col_pos < length, logits * scale, MASK_VALUE)
       m_next = jnp.maximum(m, logits.max(axis=1, keepdims=True))
       correction = jnp.exp(m - m_next)
       p = jnp.exp(logits - m_next)
-      denom = denom * correction + p.sum(axis=1, keepdims=True)
+      denom = denom * correction + p.sum(axis=1, keepdims=True)  # unscaled p
+      if token_scales:  # per-token V scale folded into the PV dot's left operand
+        p = jnp.where(col_pos < length, p * token_scale_row(vs_refs[i], i), 0.0)
       v = v_refs[i][...].astype(dot_dtype)
       v = jnp.where(row_pos < length, v, jnp.zeros_like(v))
       pv = lax.dot_general(
@@ -96,9 +124,40 @@ def _paged_attention_tpu_kernel(
 
 def paged_attention_tpu(
   q, k_pages, v_pages, lengths, page_table, scales, *, sm_scale, pages_per_compute_block,
-  interpret,
+  interpret, token_scales=None,
 ):  # fmt: skip
   """pallas_call of the TPU kernel.
+
+  For token t of sequence b, stored at page = page_table[b, t // page_size],
+  row = t % page_size, and KV head g:
+
+    K[t] = k_pages[g, page, row] * scales[g, 0] (* k_token[g, page, row])
+    V[t] = v_pages[g, page, row] * scales[g, 1] (* v_token[g, page, row])
+
+  the per-token factors only with `token_scales`. They are not applied to the
+  `[page, D]` K/V tiles: the K factor multiplies the `[G, page]` logits (one per
+  column, broadcast over the G query heads of the group) and the V factor the
+  probabilities p before the PV dot (the softmax denominator sums the unscaled
+  p); both are masked with `where` past `length`, so NaN / inf there never reach
+  the output. That is G * page multiplies per page instead of page * D.
+
+  Token-scale layout: Mosaic needs a block's last two dims divisible by (8, 128)
+  or equal to the array's, so a `(1, page_size)` row block of the `[Hkv, P,
+  page_size]` array does not compile. Each page's scales therefore come in the
+  `(8, page_size)` tile holding that page (block index page // 8, one BlockSpec
+  per page of the compute block for K and one for V, like the page BlockSpecs),
+  and the kernel takes row page % 8 with a dynamic sublane slice. Cost per page
+  and per K (or V): 8 * page_size * 4 bytes of scales DMA'd next to page_size * D
+  bytes of FP8 page, i.e. 32 / D of the page bytes (25 % at D = 128). When P is
+  not a multiple of 8 the wrapper pads the scale arrays with ones to a multiple
+  of 8 pages, which copies them on every call; callers with P % 8 == 0 avoid it.
+
+  JAX's `jax/experimental/pallas/ops/tpu/paged_attention` kernel also takes
+  per-token scales, for int8 pages (`quantization_utils.QuantizedTensor(weight,
+  scales)`): it broadcasts the scales to the pages' full `[Hkv, P, page_size, D]`
+  shape (4x the int8 pages' bytes for f32 scales), DMAs that with the pages and
+  dequantizes the `[page, D]` tiles elementwise. Here the scales stay
+  `[Hkv, P, page_size]` (8-page tiles as above) and per-head scales are kept.
 
   Args:
     q: `[B, H, D]`.
@@ -109,12 +168,29 @@ def paged_attention_tpu(
     sm_scale: Python float.
     pages_per_compute_block: pages DMA'd per grid step (clipped to the table width).
     interpret: False on TPU, `pltpu.InterpretParams()` on CPU.
+    token_scales: None (per-head scales only), or `(k_token, v_token)`, float32
+      `[Hkv, P, page_size]` per-token scales, one per stored row of the pools;
+      values at rows past a sequence's length are never used (may be garbage).
 
   Returns:
     float32 `[B, H, D]`.
   """
   batch, num_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = k_pages.shape
+  num_kv_heads, total_pages, page_size, _ = k_pages.shape
+  if token_scales is not None:
+    if not isinstance(token_scales, tuple | list) or len(token_scales) != 2:
+      raise ValueError(
+        f"`token_scales` must be None or a pair (k_token, v_token), got {type(token_scales)}."
+      )
+    want = (num_kv_heads, total_pages, page_size)
+    for name, x in zip(("k_token", "v_token"), token_scales, strict=True):
+      if tuple(x.shape) != want:
+        raise ValueError(f"`{name}` must have shape [Hkv, P, page_size] = {want}, got {x.shape}.")
+    token_scales = [x.astype(jnp.float32) for x in token_scales]
+    pad_pages = pl.cdiv(total_pages, 8) * 8 - total_pages
+    if pad_pages:  # a copy of both scale arrays; none when P % 8 == 0
+      pad = ((0, 0), (0, pad_pages), (0, 0))
+      token_scales = [jnp.pad(x, pad, constant_values=1.0) for x in token_scales]
   pages_per_sequence = page_table.shape[1]
   group = num_heads // num_kv_heads
   ppcb = max(1, min(int(pages_per_compute_block), pages_per_sequence))
@@ -129,7 +205,21 @@ def paged_attention_tpu(
 
     return index_map
 
+  def token_scale_map(i):  # the (8, page) tile holding page i's row (see the docstring)
+    page_index_map = page_map(i)
+
+    def index_map(b, h, j, lengths_ref, page_table_ref):
+      _, page, _, _ = page_index_map(b, h, j, lengths_ref, page_table_ref)
+      return (h, page // 8, 0)
+
+    return index_map
+
   page_specs = [pl.BlockSpec((None, None, page_size, head_dim), page_map(i)) for i in range(ppcb)]
+  token_scale_specs = []
+  if token_scales is not None:
+    token_scale_specs = [
+      pl.BlockSpec((None, 8, page_size), token_scale_map(i)) for i in range(ppcb)
+    ] * 2  # k token scales, v token scales
   head_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, j, *_: (b, h, 0, 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=2,
@@ -139,6 +229,7 @@ def paged_attention_tpu(
       head_spec,  # q
       *page_specs,  # k pages
       *page_specs,  # v pages
+      *token_scale_specs,  # k token scales, v token scales (if any)
     ],
     out_specs=head_spec,
     scratch_shapes=[
@@ -151,8 +242,10 @@ def paged_attention_tpu(
     _paged_attention_tpu_kernel,
     sm_scale=sm_scale,
     pages_per_compute_block=ppcb,
+    pages_per_sequence=pages_per_sequence,
     num_blocks=num_blocks,
     dot_dtype=dot_dtype,
+    token_scales=token_scales is not None,
   )
   out = pl.pallas_call(
     kernel,
@@ -168,5 +261,6 @@ def paged_attention_tpu(
     q.reshape(batch, num_kv_heads, group, head_dim),
     *([k_pages] * ppcb),
     *([v_pages] * ppcb),
+    *([] if token_scales is None else [token_scales[0]] * ppcb + [token_scales[1]] * ppcb),
   )
   return out.reshape(batch, num_heads, head_dim)

@@ -42,7 +42,9 @@ class SamplerConfig:
       kept in a float32 pool beside the pages
       (`rlx.kernels_pallas.write_kv_pages_per_token`): no calibration, each
       token's largest element is exact, for 4 / D more KV bytes (25% at head
-      dim 16, 3% at 128). Only with an FP8 `kv_dtype`.
+      dim 16, 3% at 128). Only with an FP8 `kv_dtype`. On TPU the decode kernel
+      reads the scales in tiles of 8 pages: a `num_pages` that is a multiple of
+      8 avoids a padded copy of the scale pools per layer and step.
     weight_dtype: "auto" or None: the params' own leaves as passed. "fp8_e4m3" |
       "fp8_e5m2": every decoder linear runs W8A8 with 128x128 FP8 weight blocks
       and dynamic 1x128 activation scales (`rlx.policy.quantize_linears`);

@@ -138,15 +138,19 @@ class Sampler:
   def pool_bytes_per_chip(self) -> int:
     """Bytes of the K and V page pools (`[L, Hkv, num_pages, page_size, D]` each) per chip.
 
-    The pools are split over the mesh's "tensor" axis (KV heads) where it divides
-    the heads, and whole on every chip of the batch axes.
+    With per-token scales, also their float32 `[L, Hkv, num_pages, page_size]`
+    scale pools. The pools are split over the mesh's "tensor" axis (KV heads)
+    where it divides the heads, and whole on every chip of the batch axes.
     """
     m, c = self.model_config, self.config
     shape = (m.num_layers, m.num_kv_heads, c.num_pages, c.page_size, m.head_dim)
     sharding = self._engine.pool_sharding()
     if sharding is not None:
       shape = sharding.shard_shape(shape)
-    return 2 * math.prod(shape) * jnp.dtype(c.page_dtype(m.compute_dtype)).itemsize
+    row = shape[-1] * jnp.dtype(c.page_dtype(m.compute_dtype)).itemsize
+    if self._engine.per_token:
+      row += 4  # one float32 scale per token and KV head
+    return 2 * math.prod(shape[:-1]) * row
 
   def memory_advice(self) -> tuple[str, ...]:
     """The settings that lower the sampler's device memory, with their current values.

@@ -107,3 +107,11 @@ def test_sampler_and_fp8_programs_use_the_triton_kernels(smoke_rows):
   matmuls = [r for name, r in rows.items() if name.startswith("fp8_matmul ")]
   assert len(matmuls) == 3 and all(r.mosaic == 1 for r in matmuls)
   assert rows["rl_step"].mosaic >= 1 and rows["rl_step"].donated == rows["train_step"].donated
+
+
+def test_per_token_kv_scale_programs_use_the_triton_kernel(smoke_rows):
+  _, _, rows = smoke_rows
+  decode, prefill = rows["decode_fp8tok"], rows["prefill_fp8tok"]
+  assert decode.status == prefill.status == "ok"
+  assert decode.donated == prefill.donated > rows["decode_fp8kv"].donated  # + the scale pools
+  assert decode.memory["alias"] == decode.donated and decode.mosaic >= 1

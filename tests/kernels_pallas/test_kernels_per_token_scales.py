@@ -3,13 +3,14 @@
 The write stores `scale = amax_d |k| / fp8_max` per token and KV head beside the
 pages; every reader multiplies each cached token by its own scale. The dense
 float32 formula is computed here from the definition and compared with every
-path; the TPU kernel's per-token path has its own test file.
+path (the TPU kernel in interpret mode here, and compiled for a TPU in its own test file).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from rlx.kernels_pallas import (
   PagedAttentionBlockSizes,
@@ -132,6 +133,7 @@ def test_per_token_error_is_below_static_per_head_on_tokens_of_mixed_magnitude()
     ("xla", False, PagedAttentionBlockSizes(pages_per_compute_block=1)),
     ("pallas_gpu", True, PagedAttentionBlockSizes(pages_per_compute_block=2)),
     ("pallas_gpu", True, PagedAttentionBlockSizes(pages_per_compute_block=2, pages_per_split=2)),
+    ("pallas_tpu", pltpu.InterpretParams(), PagedAttentionBlockSizes(pages_per_compute_block=2)),
   ],
 )
 @pytest.mark.parametrize("group", [1, 2])
@@ -149,7 +151,9 @@ def test_decode_attention_matches_the_definition(impl, interpret, block, group):
   np.testing.assert_allclose(got, want, atol=2e-5)
 
 
-@pytest.mark.parametrize("impl, interpret", [("xla", False), ("pallas_gpu", True)])
+@pytest.mark.parametrize(
+  "impl, interpret", [("xla", False), ("pallas_gpu", True), ("pallas_tpu", pltpu.InterpretParams())]
+)
 def test_garbage_scales_past_the_length_never_reach_the_output(impl, interpret):
   lengths = np.asarray([3, 13], np.int32)
   kp, vp, ks, vs, table, _, _ = _filled(jnp.float8_e4m3fn, lengths, seed=4)

@@ -192,3 +192,15 @@ def test_tpu_configs_name_the_slice_they_were_compiled_for(compile_tpu, name):
   assert f"--config=experiments/configs/{name}.py --models={model} --topologies={topology}" in (
     results
   )
+
+
+def test_per_token_kv_scale_programs_donate_the_scale_pools(compile_tpu, smoke_rows):
+  """`_fp8tok`: the f32 per-token scale pools (4 bytes per token, KV head and layer, for K
+  and V) are donated with the FP8 pages, and decode runs the Mosaic attention kernel."""
+  config, _, rows = smoke_rows
+  mc = compile_tpu.model_config("tiny", config)
+  for name in ("decode", "prefill"):
+    tok, static = rows[name + "_fp8tok"], rows[name + "_fp8kv"]
+    assert tok.status == "ok", tok.status
+    assert tok.donated * mc.head_dim == static.donated * (mc.head_dim + 4)
+  assert rows["decode_fp8tok"].mosaic >= 1
