@@ -563,19 +563,23 @@ def sharpness(params, model_config, tokens, mask, k0, scores, qs, hidden, temper
 
 
 def sampler_check(c, task, model_config, params, mesh, prompts, rlx_scales, calib, page_size):
-  """k1 / k3 of rlx's sampler (float32 and FP8 e4m3 KV, per-head scales) vs the exact forward.
+  """k1 / k3 of rlx's sampler (float32 KV, FP8 e4m3 KV with per-head scales, FP8 e4m3 KV with
+  per-token scales: `kv_scale_mode="per_token"`) vs the exact forward.
 
-  Also the fake-quant e4m3 / head log-probs on the sampler's own FP8 samples
-  ("fake vs sampler": k3 of the sampler's log-probs against them).
+  Also the fake-quant e4m3 / head (e4m3 / token) log-probs on the sampler's own FP8
+  samples ("fake vs sampler": k3 of the sampler's log-probs against them).
   """
   del calib
   g = rl.samples_per_prompt(c)
   t = float(c.rl.temperature)
   logprobs = jax.jit(policy.token_logprobs, static_argnums=1, static_argnames=("temperature",))
   out = {}
-  for kv_dtype in ("float32", "fp8_e4m3"):
+  for name, kv_dtype, mode in (
+    ("float32", "float32", "static"), ("fp8_e4m3", "fp8_e4m3", "static"),
+    ("fp8_e4m3 / token", "fp8_e4m3", "per_token"),
+  ):  # fmt: skip
     cc = c.copy_and_resolve_references()
-    cc.rollout.kv_dtype = kv_dtype
+    cc.rollout.kv_dtype, cc.rollout.kv_scale_mode = kv_dtype, mode
     kwargs = rl.sampler_kwargs(cc, task, rows=len(prompts) * g, greedy=False)
     rollout = rl.SyncRollout(
       rl.make_sampler(model_config, kwargs, mesh),
@@ -583,7 +587,7 @@ def sampler_check(c, task, model_config, params, mesh, prompts, rlx_scales, cali
       max_prompt_len=kwargs["max_prompt_len"],
       max_new_tokens=kwargs["max_new_tokens"],
     )
-    if rollout.fp8 is not None:
+    if rollout.fp8 is not None and rollout.fp8.kv_fp8:
       rollout.fp8.kv_scales = rollout.fp8.place(rlx_scales)
     batch = rollout.collect(params, prompts, jax.random.PRNGKey(3))
     old, _ = logprobs(params, model_config, batch.tokens, batch.response_mask, temperature=t)
@@ -601,11 +605,12 @@ def sampler_check(c, task, model_config, params, mesh, prompts, rlx_scales, cali
         )
       )
       toks = np.asarray(batch.tokens)
+      quant = Quant("e4m3", "token") if mode == "per_token" else Quant("e4m3")
       logits = _logits(
         params,
         model_config,
-        Quant("e4m3"),
-        Quant("e4m3"),
+        quant,
+        quant,
         page_size,
         jnp.asarray(toks),
         toks.shape[1],
@@ -615,7 +620,7 @@ def sampler_check(c, task, model_config, params, mesh, prompts, rlx_scales, cali
       fake, _ = policy.logprobs_from_logits(logits, toks, batch.response_mask, temperature=t)
       row["fake k1"], row["fake k3"] = mismatch(old, fake, batch.response_mask)
       row["fake vs sampler k3"] = mismatch(fake, batch.rollout_logp, batch.response_mask)[1]
-    out[kv_dtype] = row
+    out[name] = row
   return out
 
 
@@ -710,11 +715,12 @@ def main(argv):
     lines += [
       "",
       "## rlx's sampler vs fake quantization (per-[layer, KV head] scales of the `rollout` "
-      "calibration)",
+      "calibration, or per-token scales)",
       "",
       "sampler k1 / k3: rlx.sampling rollout (its own samples) vs the exact trainer; fake k1 / "
-      "k3: the fake-quant e4m3 / head log-probs of the same samples vs the trainer; fake vs "
-      "sampler k3: the sampler's log-probs vs the fake-quant ones.",
+      "k3: the fake-quant e4m3 / head (fp8_e4m3 / token: e4m3 / token) log-probs of the same "
+      "samples vs the trainer; fake vs sampler k3: the sampler's log-probs vs the fake-quant "
+      "ones.",
       "",
       fmt_row(
         [
