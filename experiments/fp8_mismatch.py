@@ -25,12 +25,13 @@ Variants (K and V alike unless a row says "K only" / "V only"):
                e3m4 (4 bits, max 15.5; not in rlx's sampler), int8 (uniform,
                symmetric, 127 levels), bf16 / fp16 (unscaled references),
                noise (x (1 + sigma N(0, 1)), a format-free relative error)
-  granularity  layer (one scale per layer), head (per layer and KV head: what
-               rlx's sampler does), channel (per layer, KV head and head dim),
+  granularity  layer (one scale per layer), head (per layer and KV head: rlx's
+               sampler's static scales), channel (per layer, KV head and head dim),
                all three calibrated; page (per page of `page_size` tokens and
                KV head) and token (per token and KV head), dynamic: the amax
                of the values themselves maps to the format's max (a page's
-               amax over the tokens written so far)
+               amax over the tokens written so far; token: the sampler's
+               kv_scale_mode "per_token")
   calibration  static scales = amax / headroom (vLLM's FP8 KV cache: K 200,
                V 100 for the FP8 formats; int8: 127, e3m4: 448/200 of 15.5),
                amax over `rollout` (prompt + response of another batch from
@@ -38,9 +39,10 @@ Variants (K and V alike unless a row says "K only" / "V only"):
                update), `prompts` (the prompt tokens only: the loop's first
                calibration) or `same` (the evaluated sequences themselves)
 
-rlx's sampler (`rlx.sampling`, kv_dtype fp8_e4m3, per-[layer, KV head]
-scales) is run too, with the `rollout` calibration's scales, so the fake-quant
-"e4m3 / head" row can be checked against the real FP8 pages (`--sampler_check`).
+rlx's sampler (`rlx.sampling`, kv_dtype fp8_e4m3) is run too, with per-[layer,
+KV head] scales from the `rollout` calibration and with per-token scales, so the
+fake-quant "e4m3 / head" and "e4m3 / token" rows can be checked against the real
+FP8 pages (`--sampler_check`).
 
 Sharpness: per layer, attention score statistics (score = q.k / sqrt(Dh), the
 query positions that predict response tokens): RMS score, mean max attention
