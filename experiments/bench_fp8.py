@@ -255,10 +255,11 @@ def main(argv):
   t_quant = _timed(lambda: quant(next(it)), reps)
   it = iter(news)
   t_calib = _timed(lambda: calib_fn(next(it)), reps)
+  fp8_counts = sampling.fp8_compile_counts()
   compiles = (
-    sampling._fp8._quantize._cache_size(),
-    sampling._fp8._kv_absmax._cache_size(),
-    runs[2][2]._engine.decode._cache_size(),
+    fp8_counts["quantize_params"],
+    fp8_counts["calibrate_kv_scales"],
+    runs[2][2].compile_counts()["decode"],
   )
   gen_s = outs["fp8 W8A8 + KV"].stats["wall_s"]  # one rollout call of the FP8 variant
   n_weights = sum(

@@ -82,7 +82,8 @@ def _model():
 
 def _compiles(sampler) -> int:
   """Programs compiled so far by the sampler's prefill and decode jits."""
-  return sampler._engine.prefill._cache_size() + sampler._engine.decode._cache_size()
+  counts = sampler.compile_counts()
+  return counts["prefill"] + counts["decode"]
 
 
 class _Prompts:

@@ -359,31 +359,59 @@ def load_config(smoke: bool):
 
 
 def policies(config, seed: int):
-  """(model_config, task, {"warmed-up": params, "random": params}, warm-up info, mesh)."""
-  from rlx.rl import _run, _warmstart  # noqa: PLC0415
+  """(model_config, task, {"warmed-up": params, "random": params}, warm-up info, mesh).
 
+  The pieces `rlx.rl.run` starts from, built with the public `rlx.rl` functions:
+  the task, mesh and model, the learner's train config, the greedy evaluation
+  (sized as the run's) and the run's cached warm-up (`rlx.rl.warm_start`).
+  """
   c = config.copy_and_resolve_references()
   c.seed = int(seed)
-  parts = _run._build(c, rl.RunSpec.from_config(c))  # validates c
+  spec = rl.RunSpec.from_config(c)  # validates c
+  task = rl.make_task(c)
+  mesh = rl.build_mesh(c)
+  model_config, init_params = rl.build_model(c, task)
+  learner = rl.Learner(c, task, model_config, mesh)
   if _SMOKE.value:  # no warm-up (its compiles take most of a smoke run): both are the init
     info = {"steps": 0, "dev_accuracy": None}
-    models = {"warmed-up": parts.init_params, "random": parts.init_params}
-    return c, parts.model_config, parts.task, models, info, parts.mesh
-  abstract = train.abstract_train_state(parts.model_config, parts.learner.train_config, parts.mesh)
-  warm = _warmstart.warm_start(
+    models = {"warmed-up": init_params, "random": init_params}
+    return c, model_config, task, models, info, mesh
+  rollout_kwargs = rl.sampler_kwargs(c, task, rows=spec.rows, greedy=False)
+  seq_len = rollout_kwargs["max_prompt_len"] + rollout_kwargs["max_new_tokens"]
+
+  def subset(examples, n):  # eval.dev_examples / test_examples: 0 = the whole split
+    return examples if not n else examples[: min(n, len(examples))]
+
+  dev = subset(task.split("dev"), spec.dev_examples)
+  test = subset(task.split("test"), spec.test_examples)
+  # The run's greedy evaluation sampler: sized for the dev set (at most 512 rows),
+  # its slots rounded up to a multiple of the mesh's batch axes.
+  eval_batch = min(max(len(dev) or len(test), 1), 512)
+  eval_kwargs = rl.sampler_kwargs(c, task, rows=eval_batch, greedy=True)
+  shards = train.batch_axis_size(mesh)
+  eval_kwargs["max_slots"] = -(-min(eval_kwargs["max_slots"], eval_batch) // shards) * shards
+  eval_sampler = rl.make_sampler(model_config, eval_kwargs, mesh)
+
+  def evaluate(params, examples):
+    if isinstance(examples, str):
+      examples = dev if examples == "dev" else test
+    return rl.greedy_accuracy(eval_sampler, params, task, examples, batch_size=eval_batch)
+
+  abstract = train.abstract_train_state(model_config, learner.train_config, mesh)
+  warm = rl.warm_start(
     c,
     os.path.join(_WORKDIR.value, f"s{seed}"),
-    init_params=parts.init_params,
-    model_config=parts.model_config,
-    train_cfg=parts.learner.train_config,
-    mesh=parts.mesh,
-    task=parts.task,
+    init_params=init_params,
+    model_config=model_config,
+    train_cfg=learner.train_config,
+    mesh=mesh,
+    task=task,
     abstract=abstract,
-    evaluate=parts.evaluate,
-    seq_len=parts.driver.width,
+    evaluate=evaluate,
+    seq_len=seq_len,
   )
-  models = {"warmed-up": warm.state.params, "random": parts.init_params}
-  return c, parts.model_config, parts.task, models, warm.info, parts.mesh
+  models = {"warmed-up": warm.state.params, "random": init_params}
+  return c, model_config, task, models, warm.info, mesh
 
 
 def mismatch(exact_logp, rollout_logp, mask):

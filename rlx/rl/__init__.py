@@ -23,6 +23,10 @@ PPO-EWMA (config.rl.old_logp = "ewma"): `ProximalEwma` holds the proximal
 params whose log-probs are old_logp: `learner.iteration(...,
 proximal_params=ewma.select(state.params))`, then `ewma.update(state.params)`.
 
+Warm-up: `supervised_warmup(...)` trains it; `warm_start(config, workdir, ...)` is
+`run`'s cached one (resumed from `workdir/warmup`, reused from
+`config.warmup.init_from` or trained) and returns a `WarmStart` (state, info).
+
 FP8 rollout (config.rollout.weight_dtype / kv_dtype): SyncRollout over an FP8
 sampler holds an `Fp8Refresh` (`rollout.fp8`): the rollout params and KV
 scales, re-quantized / recalibrated by `Learner.iteration` after every update.
@@ -108,6 +112,8 @@ from rlx.rl._sweep import (
   sweep_table,
 )
 from rlx.rl._warmstart import (
+  WarmStart,
+  warm_start,
   warmup_key,
 )
 from rlx.rl._warmup import (
@@ -136,6 +142,7 @@ __all__ = (
   "SyncRollout",
   "WarmupCapError",
   "WarmupResult",
+  "WarmStart",
   "build_mesh",
   "build_rollout_mesh",
   "AsyncRollout",
@@ -175,5 +182,6 @@ __all__ = (
   "train_batch",
   "train_config",
   "validate_config",
+  "warm_start",
   "warmup_key",
 )
