@@ -45,6 +45,19 @@ So the clip bounds each update's step from the proximal policy however stale
 the batch is, and the behaviour -> proximal gap is corrected by the weight
 alone. The batch's staleness u - v is logged per token (`staleness_mean`,
 `staleness_max`, `staleness_hist`).
+
+With partial rollouts (`rlx.rl.PartialRollout`, APRIL) the thread pulls its
+prompts one by one and the weights are updated in flight (PipelineRL): at
+every scheduling point of a collection the sampler takes the newest
+published params, the samples in flight continue with them (their K/V
+cached by older params stays in place), and every token records the version
+that generated it, so one sample may span several versions. An item's
+`version` is then the newest version of its collection (`rl.max_staleness`
+bounds that lag; recycled tokens can be older and are reported per token),
+and it carries the partial-rollout buffer after it, which the learner's
+checkpoint saves with the cursor (`consumed_buffer`): a resumed run re-pulls
+and re-generates what was queued or in flight, so no group is lost or
+trained twice.
 """
 
 import dataclasses
@@ -71,6 +84,7 @@ class Item:
     cursor: the prompt source's cursor after its prompts.
     rollout_s: the seconds its collection took.
     metrics: the rollout engine's `metrics()` of its collection ({} if it has none).
+    buffer: with partial rollouts, the rollout buffer (`state_dict()`) after it; else None.
   """
 
   index: int
@@ -80,14 +94,18 @@ class Item:
   cursor: dict
   rollout_s: float
   metrics: dict = dataclasses.field(default_factory=dict)
+  buffer: dict | None = None
 
 
 class AsyncRollout:
   """A rollout thread that fills a bounded queue from the latest published params.
 
   Args:
-    rollout: the rollout engine (`rlx.rl.SyncRollout` over a sampler on the rollout mesh).
-    source: the `PromptSource` of the train prompts (the thread owns it once started).
+    rollout: the rollout engine over a sampler on the rollout mesh: a
+      `rlx.rl.SyncRollout` (`collect`), or a `rlx.rl.PartialRollout`
+      (`collect_groups`: prompts pulled one by one, weights updated in flight).
+    source: the `PromptSource` of the train prompts (the thread owns it once
+      started; batch_size 1 with a `PartialRollout`).
     place: `place(params) -> params` on the rollout mesh, in new buffers.
     key: the rollout key; batch i is sampled with `jax.random.fold_in(key, i)`.
     queue_size: the most finished batches waiting for the learner (>= 1).
@@ -111,7 +129,16 @@ class AsyncRollout:
     self.place = place
     self.key = key
     self.queue: queue.Queue[Item] = queue.Queue(maxsize=int(queue_size))
+    self.partial = hasattr(rollout, "collect_groups")
+    if self.partial and source.batch_size != 1:
+      raise ValueError(
+        f"A PartialRollout pulls prompts one by one: `source.batch_size` must be 1, got "
+        f"{source.batch_size}."
+      )
     self.consumed_cursor = source.cursor
+    # The partial-rollout buffer after the last batch the learner took (what a resume loads).
+    self.consumed_buffer = rollout.state_dict() if self.partial else None
+    self._index_of = {id(e): i for i, e in enumerate(source.examples)} if self.partial else {}
     self._next_index = int(first_index)
     self._latest: tuple[Any, int] | None = None
     self._lock = threading.Lock()
@@ -133,26 +160,54 @@ class AsyncRollout:
     self._thread = threading.Thread(target=self._run, name="rlx-rollout", daemon=True)
     self._thread.start()
 
+  def _pull(self, n: int) -> list[tuple[int, Any]]:
+    """The next n prompts of the source as (index in its examples, prompt ids)."""
+    examples = [self.source.next_batch()[0] for _ in range(n)]
+    return [(self._index_of[id(e)], e.prompt_ids) for e in examples]
+
+  def _newer_than(self, version: int) -> Callable[[], tuple[Any, int] | None]:
+    """An in-flight `params_update`: the latest published params once newer than seen."""
+    seen = [version]
+
+    def update() -> tuple[Any, int] | None:
+      with self._lock:
+        params, latest = self._latest
+      if latest <= seen[0]:
+        return None
+      seen[0] = latest
+      return params, latest
+
+    return update
+
+  def _collect(self, params: Any, version: int, rng: jax.Array) -> tuple[Any, list, int]:
+    """One collection: (batch, its examples, the newest version that sampled it)."""
+    if not self.partial:
+      examples = self.source.next_batch()
+      prompts = [e.prompt_ids for e in examples]
+      return self.rollout.collect(params, prompts, rng, policy_version=version), examples, version
+    batch, keys = self.rollout.collect_groups(
+      params, self._pull, rng, policy_version=version, params_update=self._newer_than(version)
+    )
+    examples = [self.source.examples[int(k)] for k in keys]
+    return batch, examples, int(self.rollout.last_stats["policy_version"])
+
   def _run(self) -> None:
     try:
       while not self._stop.is_set():
         with self._lock:
           params, version = self._latest
         t0 = time.perf_counter()
-        examples = self.source.next_batch()
         index = self._next_index
-        batch = self.rollout.collect(
-          params,
-          [e.prompt_ids for e in examples],
-          jax.random.fold_in(self.key, index),
-          policy_version=version,
+        batch, examples, version = self._collect(
+          params, version, jax.random.fold_in(self.key, index)
         )
         jax.block_until_ready(batch.tokens)
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
         self._next_index += 1
         counts = self.rollout.metrics() if hasattr(self.rollout, "metrics") else {}
-        item = Item(index, batch, examples, version, self.source.cursor, seconds, counts)
+        buffer = self.rollout.state_dict() if self.partial else None
+        item = Item(index, batch, examples, version, self.source.cursor, seconds, counts, buffer)
         while not self._stop.is_set():
           try:
             self.queue.put(item, timeout=0.05)
@@ -179,6 +234,7 @@ class AsyncRollout:
         if self._thread is None or not self._thread.is_alive():
           raise RuntimeError("The rollout thread is not running: `start` it first.") from None
     self.consumed_cursor = item.cursor
+    self.consumed_buffer = item.buffer
     return item, time.perf_counter() - t0
 
   def stop(self) -> None:

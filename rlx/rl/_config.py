@@ -275,7 +275,9 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # on timing (the run is not bit-reproducible). With rl.old_logp = "current"
   # the objective is decoupled PPO: the clip is centred on the learner's
   # params before the update (proximal), and train.use_rollout_correction
-  # weights behaviour -> proximal with the sampler's rollout_logp.
+  # weights behaviour -> proximal with the sampler's rollout_logp. With
+  # rollout.over_provision > 1 (partial rollouts) the weights are updated in
+  # flight: samples being generated continue with each newly published version.
   c.rl.async_rollout = False
   c.rl.async_queue_size = 1
   # The most optimizer updates a batch may lag at its first update under
@@ -454,7 +456,6 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
   if not rl.async_rollout:
     return
   unsupported = {
-    "`config.rollout.over_provision` > 1 (partial rollouts)": config.rollout.over_provision > 1,
     "`config.rl.staleness` > 0 (controlled staleness)": rl.staleness > 0,
     "`config.rl.old_logp` = 'behaviour' (the sampling params are on the rollout side)": (
       rl.old_logp == "behaviour"

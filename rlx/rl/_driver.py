@@ -15,6 +15,8 @@ One object behind the loop, whatever the rollout is:
             ahead with the latest published params; `Learner.update` trains
             on what it queued, dropping (or keeping) batches older than
             `rl.max_staleness`, and publishes the new params after each update.
+            With partial rollouts too, the thread's samples in flight take the
+            published params at their next scheduling point (PipelineRL).
 
 The loop only calls `iteration(state, ref_params, rng)` and checkpoints
 `state_dict()` (the partial-rollout buffer, the FP8 KV scales, the held
@@ -202,7 +204,7 @@ class RolloutDriver:
       self._async_counts.update(extra.get("async") or {})
       shardings = policy.param_shardings(self.learner.model_config, self.sampler.mesh)
       self.async_rollout = _async.AsyncRollout(
-        self.rollout,
+        self.partial_rollout if self.partial else self.rollout,
         self.source,
         place=lambda params: train.copy_to(params, shardings),
         key=rollout_key,
@@ -346,7 +348,9 @@ class RolloutDriver:
   def state_dict(self) -> dict[str, Any]:
     """What the checkpoint's `extra` holds for the rollouts (buffer, KV scales, held versions)."""
     extra = {}
-    if self.partial:
+    if self.partial and self.async_rollout is not None:  # as of the last batch trained on
+      extra["rollout_buffer"] = self.async_rollout.consumed_buffer
+    elif self.partial:
       extra["rollout_buffer"] = self.partial_rollout.state_dict()
     if self.fp8 is not None and self.fp8.kv_scales is not None:
       extra["kv_scales"] = self.fp8.state_dict()

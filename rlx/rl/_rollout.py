@@ -451,18 +451,36 @@ class PartialRollout(_Fp8Rollout):
     self.last_stats: dict[str, Any] = {}
 
   def collect_groups(
-    self, params: Any, source: Any, rng: jax.Array, *, policy_version: int
+    self,
+    params: Any,
+    source: Any,
+    rng: jax.Array,
+    *,
+    policy_version: int,
+    params_update: Any = None,
   ) -> tuple[_batch.RolloutBatch, np.ndarray]:
     """One collection: `(RolloutBatch of target_groups * G rows, i64[target_groups] keys)`.
 
     With FP8 KV the scales must be calibrated first (`fp8.calibrate_prompts`
     or `fp8.refresh`): the prompts are pulled inside the collection.
+    `params_update` (`f() -> None | (params, version)`) updates the weights in
+    flight (`rlx.sampling.RolloutEngine.collect`); not with FP8 rollout, whose
+    params are quantized once per collection.
     """
     kwargs = {}
     if self.fp8 is not None:
+      if params_update is not None:
+        raise ValueError("In-flight weight updates (`params_update`) do not support FP8 rollout.")
       kwargs = self.fp8.generate_kwargs()
       params = self.fp8.rollout_params(params)
-    out = self.engine.collect(params, source, rng, policy_version=int(policy_version), **kwargs)
+    out = self.engine.collect(
+      params,
+      source,
+      rng,
+      policy_version=int(policy_version),
+      params_update=params_update,
+      **kwargs,
+    )
     self.last_stats = dict(out.stats)
     batch = _build_partial(
       out.prompt_tokens, out.prompt_lengths, out.tokens, out.logprobs, out.versions,
@@ -479,6 +497,7 @@ class PartialRollout(_Fp8Rollout):
         "groups_returned", "groups_recycled", "groups_fresh", "groups_resumed",
         "off_policy_token_fraction", "mean_staleness", "max_staleness",
         "slot_utilisation", "tokens_per_s", "prefill_tokens", "decode_steps", "syncs",
+        "params_updates",
       )
     }  # fmt: skip
     for s, n in st["staleness_histogram"].items():

@@ -257,6 +257,7 @@ class RolloutEngine:
     *,
     policy_version: int,
     kv_scales: tuple[Any, Any] | None = None,
+    params_update: Callable[[], tuple[Any, int] | None] | None = None,
   ) -> PartialRollouts:
     """One collection: resume the buffer, top up with fresh prompts, stop at the target.
 
@@ -267,6 +268,12 @@ class RolloutEngine:
       rng: PRNG key of this collection.
       policy_version: version of `params`, recorded on every token generated now.
       kv_scales: passed to `Sampler.generate_requests`.
+      params_update: optional in-flight weight update (PipelineRL), passed to
+        `Sampler.generate_requests`: `f() -> None | (params, version)` at every
+        scheduling point; the samples in flight continue with the newer
+        params and their tokens record its version. The batch's staleness is
+        then measured from the newest version the collection reached
+        (`stats["policy_version"]`).
 
     Returns:
       `PartialRollouts` of `target_groups` complete groups, oldest first.
@@ -276,7 +283,9 @@ class RolloutEngine:
       version), staleness_histogram ({staleness: tokens}), max_staleness,
       mean_staleness, generated_tokens, tokens_per_s, slot_utilisation
       (generated tokens / (decode steps * slots)), decode_steps, syncs,
-      prefill_tokens (prompt and recycled prefixes recomputed), preemptions, wall_s.
+      prefill_tokens (prompt and recycled prefixes recomputed), preemptions,
+      params_updates (in-flight), policy_version (the newest version that
+      generated tokens in it: the staleness reference), wall_s.
     """
     if not isinstance(policy_version, int | np.integer) or isinstance(policy_version, bool):
       raise ValueError(f"`policy_version` must be an int, got {policy_version!r}.")
@@ -299,7 +308,10 @@ class RolloutEngine:
     complete0 = sum(g.complete for g in groups)
     rows = [(gi, j) for gi, grp in enumerate(groups) for j in range(self.num_samples)
             if grp.finish[j] == _RUNNING]  # fmt: skip
-    passed = ("decode_steps", "generated_tokens", "syncs", "prefill_tokens", "preemptions")
+    passed = (
+      "decode_steps", "generated_tokens", "syncs", "prefill_tokens", "preemptions",
+      "params_updates",
+    )  # fmt: skip
     stats: dict[str, Any] = dict.fromkeys(passed, 0)
     if rows and complete0 < self.target_groups:
       row_group = np.asarray([gi for gi, _ in rows], np.int64)
@@ -322,6 +334,8 @@ class RolloutEngine:
         # With no spare group every launched group must finish: no early stop to check.
         stop_when=stop_when if len(groups) > self.target_groups else None,
         kv_scales=kv_scales,
+        policy_version=version,
+        params_update=params_update,
       )
       for r, (gi, j) in enumerate(rows):
         grp = groups[gi]
@@ -331,9 +345,10 @@ class RolloutEngine:
           raise RuntimeError("internal: the sampler changed a resumed sample's prefix")
         grp.tokens[j] = out.tokens[r, :n].tolist()
         grp.logprobs[j] = grp.logprobs[j] + out.logprobs[r, old:n].tolist()
-        grp.versions[j] = grp.versions[j] + [version] * (n - old)
+        grp.versions[j] = grp.versions[j] + out.versions[r, old:n].tolist()
         grp.finish[j] = _FINISH.get(out.finish_reason[r], _RUNNING)
       stats.update({k: out.stats[k] for k in passed})
+      version = max(version, int(out.versions.max(initial=version)))
     done = [g for g in groups if g.complete][: self.target_groups]
     if len(done) < self.target_groups:
       raise RuntimeError(
@@ -360,6 +375,7 @@ class RolloutEngine:
         "staleness_histogram": {int(s): int(c) for s, c in enumerate(hist) if c},
         "max_staleness": int(stale.max()) if stale.size else 0,
         "mean_staleness": float(stale.mean()) if stale.size else 0.0,
+        "policy_version": version,
         "tokens_per_s": stats["generated_tokens"] / wall if wall > 0 else float("inf"),
         "slot_utilisation": stats["generated_tokens"] / (steps * slots) if steps else 0.0,
         "wall_s": wall,

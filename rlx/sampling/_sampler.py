@@ -71,7 +71,10 @@ class Completions(NamedTuple):
     stats: tokens_per_s, generated_tokens (new tokens), decode_steps,
       slot_utilisation (new tokens / (decode steps * max_slots)), stopped_early,
       preemptions, peak_pages_used, num_pages, prefill_tokens, prefill_calls,
-      syncs, wall_s.
+      syncs, params_updates (in-flight switches to newer params), wall_s.
+    versions: i32[N, max_new_tokens], the policy version of the params that
+      generated each token of this call (`generate_requests`' `policy_version`,
+      then each in-flight update's); -1 on a resumed row's prefix and on padding.
   """
 
   tokens: np.ndarray
@@ -80,6 +83,7 @@ class Completions(NamedTuple):
   finish_reason: tuple[str, ...]
   prompt_index: np.ndarray
   stats: dict[str, float]
+  versions: np.ndarray
 
 
 class Sampler:
@@ -356,6 +360,19 @@ class Sampler:
     policy.check_params(params, self.model_config, allow_fp8=True)
     return quantize_params(params, self.config)
 
+  def _updated_params(self, update, version: int):
+    """The params of a `params_update()` result `(params, version)`, checked."""
+    if not isinstance(update, tuple) or len(update) != 2:
+      raise ValueError(
+        f"`params_update()` must return None or a (params, version) pair, got {type(update)}."
+      )
+    new_version = _check_version(update[1], "params_update()'s version")
+    if new_version < version:
+      raise ValueError(
+        f"`params_update()` returned version {new_version}, older than the current {version}."
+      )
+    return self._check_params(update[0]), new_version
+
   def _kv_scales(self, kv_scales):
     """(k_scale, v_scale) as f32[L, Hkv] arrays."""
     m = self.model_config
@@ -487,6 +504,8 @@ class Sampler:
     prefix_logprobs: Sequence[Sequence[float]] | None = None,
     stop_when: Callable[[np.ndarray], bool] | None = None,
     kv_scales: tuple[Any, Any] | None = None,
+    policy_version: int = 0,
+    params_update: Callable[[], tuple[policy.Params, int] | None] | None = None,
   ) -> Completions:
     """Generates (or resumes) one sample per row, optionally stopping early.
 
@@ -507,6 +526,14 @@ class Sampler:
     stopped and resumed with the same params and key equals the uninterrupted
     row (up to float rounding of the recomputed K/V).
 
+    In-flight weight updates (PipelineRL, Piche et al. 2025,
+    https://arxiv.org/abs/2509.19128): with `params_update`, the host loop asks
+    it at every scheduling point (between decode windows) for newer params;
+    the running rows continue with them from their next token, their K/V
+    cached by the older params staying in place (only a preempted row's K/V is
+    recomputed, by the params current at its re-admission). Each token
+    records the version that generated it (`Completions.versions`).
+
     Args:
       params: the policy params (as in `generate`).
       prompts: N token-id lists, one per row (ragged, 1..max_prompt_len long).
@@ -520,11 +547,17 @@ class Sampler:
         scheduling point with the rows finished so far (including those
         finished in earlier windows); True ends the call.
       kv_scales: as in `generate`.
+      policy_version: int >= 0, the version of `params` (recorded per token).
+      params_update: optional `f() -> None | (params, version)`, called after
+        every decode window (unless the call ends there on `stop_when`): None
+        keeps the current params, a pair switches to them (same structure;
+        `version` >= the current one) from the next admission and window on.
 
     Returns:
       `Completions` with N rows in the given order: tokens / logprobs hold
       prefix + new tokens, `finish_reason` is "stop", "length" or
-      "unfinished" (stopped early), `prompt_index` is the given ids;
+      "unfinished" (stopped early), `prompt_index` is the given ids,
+      `versions` the version of each new token;
       `stats["generated_tokens"]` counts new tokens only.
     """
     prompts = self._check_prompts(prompts)
@@ -583,18 +616,25 @@ class Sampler:
       )  # fmt: skip
       req.started = bool(toks.size)  # a prefix's KV is recomputed by prefill (no sharing)
       requests.append(req)
-    if stop_when is not None and not callable(stop_when):
-      raise ValueError(f"`stop_when` must be callable or None, got {type(stop_when).__name__}.")
+    for name, f in (("stop_when", stop_when), ("params_update", params_update)):
+      if f is not None and not callable(f):
+        raise ValueError(f"`{name}` must be callable or None, got {type(f).__name__}.")
+    version = _check_version(policy_version, "policy_version")
     t0 = time.perf_counter()
-    return self._schedule(params, requests, rng, k_scale, v_scale, t0, stop_when=stop_when)
+    return self._schedule(
+      params, requests, rng, k_scale, v_scale, t0,
+      stop_when=stop_when, version=version, params_update=params_update,
+    )  # fmt: skip
 
-  def _schedule(self, params, requests, rng, k_scale, v_scale, t0, *, stop_when):
+  def _schedule(
+    self, params, requests, rng, k_scale, v_scale, t0, *, stop_when, version=0, params_update=None
+  ):
     """The host loop of `generate` / `generate_requests` over `requests` (`Scheduler`)."""
     cfg, eng = self.config, self._engine
     S, P = cfg.max_slots, cfg.num_pages
     prefix_tokens = sum(len(r.tokens) for r in requests)
     pages = PageManager(S, eng.pages_per_sequence, P, cfg.page_size)
-    sched = Scheduler(cfg, requests, pages)
+    sched = Scheduler(cfg, requests, pages, version)
     # The pool buffer is reused across calls (donated through every step): stale
     # page contents are never read, a slot only attends to positions it wrote.
     pool, self._pool = self._pool, None
@@ -628,6 +668,9 @@ class Sampler:
       if stop_when is not None and stop_when(sched.done()):
         sched.abort()
         break
+      if params_update is not None and (update := params_update()) is not None:
+        params, new_version = self._updated_params(update, sched.version)
+        sched.switch_version(new_version)
     sched.finish()
     self._pool = pool
     return _completions(sched, cfg, prefix_tokens, time.perf_counter() - t0)
@@ -783,11 +826,13 @@ def _completions(sched: Scheduler, config: SamplerConfig, prefix_tokens: int, wa
   n, S, P = len(requests), config.max_slots, config.num_pages
   tokens = np.zeros((n, config.max_new_tokens), np.int32)
   logprobs = np.zeros((n, config.max_new_tokens), np.float32)
+  versions = np.full((n, config.max_new_tokens), -1, np.int32)
   lengths = np.zeros((n,), np.int32)
   for r in requests:
     g = len(r.tokens)
     tokens[r.row, :g] = r.tokens
     logprobs[r.row, :g] = r.logprobs
+    versions[r.row] = r.token_versions(config.max_new_tokens)
     lengths[r.row] = g
   generated = int(lengths.sum()) - prefix_tokens
   steps = int(stats["decode_steps"])
@@ -804,6 +849,7 @@ def _completions(sched: Scheduler, config: SamplerConfig, prefix_tokens: int, wa
     "prefill_tokens": int(stats["prefill_tokens"]),
     "prefill_calls": int(stats["prefill_calls"]),
     "syncs": int(stats["syncs"]),
+    "params_updates": int(stats["params_updates"]),
     "wall_s": wall,
   }
   return Completions(
@@ -813,4 +859,12 @@ def _completions(sched: Scheduler, config: SamplerConfig, prefix_tokens: int, wa
     finish_reason=tuple(r.finish_reason or "unfinished" for r in requests),
     prompt_index=np.asarray([r.prompt_index for r in requests], np.int32),
     stats=out_stats,
+    versions=versions,
   )
+
+
+def _check_version(version: Any, name: str) -> int:
+  """`version` as an int >= 0, or ValueError naming `name`."""
+  if isinstance(version, bool) or not isinstance(version, int | np.integer) or version < 0:
+    raise ValueError(f"`{name}` must be an int >= 0, got {version!r}.")
+  return int(version)

@@ -1,9 +1,11 @@
 """Shared tiny configs for the rlx.rl tests (one small compiled model for all)."""
 
+import os
+
 import jax
 import numpy as np
 
-from rlx import rl
+from rlx import rl, train
 
 
 def tiny_config(**overrides):
@@ -130,3 +132,13 @@ def run_config(**overrides):
   }
   base.update(overrides)
   return tiny_config(**base)
+
+
+def final_checkpoint(config, workdir):
+  """The last checkpoint (`TrainState` and `extra`) of the run of `config` in `workdir`."""
+  task = rl.make_task(config)
+  model_config, _ = rl.build_model(config, task)
+  mesh = rl.build_mesh(config)
+  abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)
+  with train.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    return ckpt.restore(abstract)

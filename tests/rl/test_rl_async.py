@@ -73,6 +73,52 @@ def test_thread_runs_at_most_queue_size_plus_one_batches_ahead():
   assert stream == [(e.prompt_ids[0],) for e in _source(batch=len(stream)).next_batch()]
 
 
+class _FakePartial:
+  """A `PartialRollout` stand-in: pulls 2 prompts a collection; the second waits in flight
+  for a published version (`params_update`)."""
+
+  def __init__(self):
+    self.calls = []
+    self.last_stats = {}
+
+  def collect_groups(self, params, source, rng, *, policy_version, params_update):
+    keys = [k for k, _ in source(2)]
+    seen = [(params, policy_version)]
+    if len(self.calls) == 1:
+      _wait_for(lambda: seen.append(params_update()) or seen[-1] is not None)
+    self.calls.append((keys, seen))
+    self.last_stats = {"policy_version": seen[-1][1]}
+    return types.SimpleNamespace(tokens=jnp.zeros((2, 2), jnp.int32)), np.asarray(keys)
+
+  def state_dict(self):
+    return {"collections": np.asarray(len(self.calls))}
+
+
+def test_partial_rollouts_take_published_params_in_flight_and_carry_their_buffer():
+  with pytest.raises(ValueError, match="batch_size` must be 1"):
+    rl.AsyncRollout(_FakePartial(), _source(), place=lambda p: p, key=jax.random.PRNGKey(0),
+                    queue_size=1)  # fmt: skip
+  rollout, source = _FakePartial(), _source(batch=1)
+  pipe = rl.AsyncRollout(rollout, source, place=lambda p: p, key=jax.random.PRNGKey(0),
+                         queue_size=1)  # fmt: skip
+  assert pipe.consumed_buffer == {"collections": 0}
+  pipe.publish("v0", 0)
+  pipe.start()
+  first, _ = pipe.get()
+  assert first.version == 0 and first.buffer == {"collections": 1}
+  assert pipe.consumed_buffer == first.buffer and pipe.consumed_cursor == {"epoch": 0, "index": 2}
+  # The second collection is in flight, asking for newer params at every scheduling point.
+  pipe.publish("v1", 1)
+  second, _ = pipe.get()
+  keys, seen = rollout.calls[1]
+  assert seen[0] == ("v0", 0) and seen[-1] == ("v1", 1) and all(s is None for s in seen[1:-1])
+  assert second.version == 1  # the newest version that sampled it
+  assert [e.prompt_ids[0] for e in second.examples] == [source.examples[k].prompt_ids[0]
+                                                        for k in keys]  # fmt: skip
+  assert pipe.consumed_buffer == {"collections": 2}
+  pipe.stop()
+
+
 def test_a_failing_rollout_thread_fails_the_learner():
   pipe = rl.AsyncRollout(_FakeRollout(fail_at=1), _source(), place=lambda p: p,
                          key=jax.random.PRNGKey(0), queue_size=1)  # fmt: skip
@@ -89,7 +135,6 @@ def test_a_failing_rollout_thread_fails_the_learner():
   ("overrides", "match"),
   [
     ({"mesh.rollout_devices": 1}, "rl.async_rollout = True"),
-    ({"rl.async_rollout": True, "rollout.over_provision": 1.5}, "partial rollouts"),
     ({"rl.async_rollout": True, "rl.staleness": 1}, "controlled staleness"),
     ({"rl.async_rollout": True, "rl.old_logp": "behaviour"}, "'behaviour'"),
     ({"rl.async_rollout": True, "rollout.kv_dtype": "fp8_e4m3"}, "FP8 rollout"),
@@ -184,11 +229,36 @@ def test_batches_over_max_staleness_are_dropped_or_kept_and_counted(tmp_path, mo
     assert [r["async/batch_index"] for r in records] == list(range(6))
 
 
-def test_killed_run_resumes_with_no_prompt_lost_or_trained_twice(tmp_path, monkeypatch):
-  """Killed in iteration 6 (after the iteration-4 checkpoint) with a batch queued and one
-  in flight; the resumed run trains each prompt of the stream exactly once, in order."""
+def test_async_partial_rollouts_on_disjoint_devices(tmp_path):
+  """APRIL partial rollouts in the rollout thread (weights updated in flight) on a device of
+  their own: every trained group is complete, new, and versioned per token."""
   rl_test_utils.register_test_tasks()
-  config = _config()
+  config = _config(
+    **{
+      "rl.iterations": 4,
+      "mesh.num_devices": 2,
+      "mesh.rollout_devices": 1,
+      "rollout.over_provision": 2.0,
+    }
+  )
+  summary = rl.run(config, str(tmp_path / "run"))
+  records = _rl_records(str(tmp_path / "run"))
+  assert summary["iterations"] == 4 and all(np.isfinite(r["loss"]) for r in records)
+  trained = [i for r in records for i in r["async/prompts"]]
+  assert len(trained) == len(set(trained)) == 4 * config.rl.prompts_per_iteration
+  for r in records:
+    assert r["rollout/groups_returned"] == config.rl.prompts_per_iteration
+    assert r["rollout/params_updates"] >= 0 and 0 <= r["staleness_min"] <= r["staleness_max"]
+  assert records[0]["staleness_max"] == 0
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["sync", "partial"])
+def test_killed_run_resumes_with_no_prompt_lost_or_trained_twice(tmp_path, monkeypatch, partial):
+  """Killed in iteration 6 (after the iteration-4 checkpoint) with a batch queued and one
+  in flight; the resumed run trains each prompt of the stream exactly once (in order, without
+  partial rollouts; with them, every prompt pulled is trained or still buffered)."""
+  rl_test_utils.register_test_tasks()
+  config = _config(**({"rollout.over_provision": 2.0} if partial else {}))
   workdir = str(tmp_path / "killed")
   original = _driver.RolloutDriver._async_iteration
   calls, ahead = [], []
@@ -215,13 +285,22 @@ def test_killed_run_resumes_with_no_prompt_lost_or_trained_twice(tmp_path, monke
   records = _rl_records(workdir)
   assert [r["iteration"] for r in records] == list(range(1, 9))
   trained = [i for r in records for i in r["async/prompts"]]
+  assert len(set(trained)) == len(trained) == 8 * config.rl.prompts_per_iteration
   # The prompt stream of the run's source: the seeded permutation epoch after epoch.
   task = rl.make_task(config)
   examples = task.split("train")
-  source = rl.PromptSource(examples, batch_size=len(trained), seed=config.seed + 1)
   index = {id(e): i for i, e in enumerate(examples)}
-  assert trained == [index[id(e)] for e in source.next_batch()]
-  assert len(set(trained)) == len(trained) == 8 * config.rl.prompts_per_iteration
+  if not partial:
+    source = rl.PromptSource(examples, batch_size=len(trained), seed=config.seed + 1)
+    assert trained == [index[id(e)] for e in source.next_batch()]
+    return
+  # Partial: the final checkpoint's buffer holds the pulled prompts not trained yet, and
+  # trained + buffered is exactly the start of the stream (nothing lost, nothing twice).
+  buf = rl_test_utils.final_checkpoint(config, workdir).extra["rollout_buffer"]
+  buffered = [int(k) for k in buf["key"][: int(buf["count"])]]
+  pulled = len(trained) + len(buffered)
+  source = rl.PromptSource(examples, batch_size=pulled, seed=config.seed + 1)
+  assert sorted(trained + buffered) == sorted(index[id(e)] for e in source.next_batch())
 
 
 def test_published_params_are_copies_the_learner_may_donate():

@@ -29,13 +29,7 @@ def _rl_records(workdir):
 
 
 def _final(workdir, config):
-  task = rl.make_task(config)
-  model_config, _ = rl.build_model(config, task)
-  mesh = rl.build_mesh(config)
-  abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)
-  with train.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-    restored = ckpt.restore(abstract)
-  return restored
+  return rl_test_utils.final_checkpoint(config, workdir)
 
 
 @pytest.fixture(scope="module")

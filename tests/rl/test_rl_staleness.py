@@ -287,15 +287,7 @@ def _kill_then_resume(config, workdir, monkeypatch):
 
 def _final_checkpoints(config, *workdirs):
   """The last checkpoint (state and extra) of each workdir."""
-  task = rl.make_task(config)
-  model_config, _ = rl.build_model(config, task)
-  mesh = rl.build_mesh(config)
-  abstract = train.abstract_train_state(model_config, rl.train_config(config), mesh)
-  finals = []
-  for w in workdirs:
-    with train.Checkpointer(os.path.join(w, "checkpoints")) as ckpt:
-      finals.append(ckpt.restore(abstract))
-  return finals
+  return [rl_test_utils.final_checkpoint(config, w) for w in workdirs]
 
 
 def test_killed_run_resumes_equal_to_the_straight_one(stale_run, tmp_path, monkeypatch):

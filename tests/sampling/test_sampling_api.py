@@ -76,6 +76,7 @@ def test_public_names_and_signatures():
     "finish_reason",
     "prompt_index",
     "stats",
+    "versions",
   )
 
 
