@@ -91,6 +91,16 @@ experiments/results/compile_tpu.md gathers several runs, each table under its co
 
 `--smoke` compiles one tiny model on v5e:2x2 (a few seconds per program).
 
+`--rollout_chips=n` compiles each program for asynchronous RL's split of the slice
+(`rl.async_rollout` with `mesh.rollout_devices = n`, as `rlx.rl.build_mesh` /
+`build_rollout_mesh` split the devices): the sampler's programs on the last n chips
+(data-parallel, params replicated per chip), the train programs on the others, so
+both sides must fit at once; the topology column names the side and its chips. The
+fused rl_step needs one mesh and is left out:
+
+  python experiments/compile_tpu.py --rollout_chips=4 --topologies=v5e:2x4 \
+    --models=qwen2.5-0.5b --programs=train_step,compute_logprobs,prefill,decode
+
 `--search` reports instead the largest size of each program that fits a chip, found
 by compiling (`search_largest`): the rows B of train_step, compute_logprobs and
 rl_step* (in multiples of mini x micro-batches x batch shards and of the group size),
@@ -257,6 +267,12 @@ def define_flags() -> None:
     "page pool (prefill*, decode*) of each program that fits a chip, found by compiling.",
   )
   flags.DEFINE_integer("max_probes", 7, "--search: compiles per program x model x topology.")
+  flags.DEFINE_integer(
+    "rollout_chips",
+    0,
+    "Asynchronous RL's split: the sampler's programs on the last n chips of each topology, "
+    "the train programs on the others (0: every program on the whole slice).",
+  )
   config_flags.DEFINE_config_file("config", str(_CONFIG_PATH), "The RL config.")
 
 
@@ -293,11 +309,19 @@ def workload(config: ml_collections.ConfigDict, prompt_len: int) -> Workload:
   )
 
 
-def make_topology_mesh(topology: str, load: Workload) -> jax.sharding.Mesh:
-  """A `("data", "fsdp", "tensor")` mesh over the compile-only devices of `topology`."""
+def topology_devices(topology: str) -> list:
+  """The compile-only devices of `topology`."""
   from jax.experimental import topologies  # noqa: PLC0415 (needs libtpu)
 
-  devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+
+
+def make_topology_mesh(topology: str, load: Workload, devices=None) -> jax.sharding.Mesh:
+  """A `("data", "fsdp", "tensor")` mesh over the compile-only devices of `topology`.
+
+  `devices`: a subset of them to use instead of all.
+  """
+  devices = topology_devices(topology) if devices is None else devices
   tensor = min(load.tensor, len(devices))
   fsdp = min(load.fsdp, len(devices) // tensor)
   return train.make_mesh(data=-1, fsdp=fsdp, tensor=tensor, devices=devices)
@@ -726,6 +750,33 @@ def compile_on_mesh(
   return rows
 
 
+SAMPLER_PROGRAMS = tuple(p for p in PROGRAMS if p.startswith(("prefill", "decode", "fp8_matmul")))
+
+
+def split_compile_fn(rollout_chips: int):
+  """A `run` compile_fn for the asynchronous split: sampler programs on the last
+  `rollout_chips` chips (data-parallel, as `rl.build_rollout_mesh`), the rest on the others."""
+
+  def compile_split(program: str, model: str, topology: str, config, load: Workload) -> list[Row]:
+    devices = topology_devices(topology)
+    if not 0 < rollout_chips < len(devices):
+      raise app.UsageError(
+        f"--rollout_chips={rollout_chips} must leave chips to both sides of {topology} "
+        f"({len(devices)} chips)."
+      )
+    if program.startswith("rl_step"):
+      return []  # the fused step samples and trains on one mesh
+    train_devices, rollout_devices = devices[:-rollout_chips], devices[-rollout_chips:]
+    if program in SAMPLER_PROGRAMS:
+      side, mesh = "rollout", train.make_mesh(-1, 1, 1, devices=rollout_devices)
+    else:
+      side, mesh = "train", make_topology_mesh(topology, load, train_devices)
+    target = f"{topology} {side} {len(mesh.devices.flat)}/{len(devices)}"
+    return compile_on_mesh(program, model, target, mesh, chip_spec(topology), config, load)
+
+  return compile_split
+
+
 def compile_one(program: str, model: str, topology: str, config, load: Workload) -> list[Row]:
   """Builds, traces and compiles `program` for `topology`; never raises on compiler errors."""
   mesh = make_topology_mesh(topology, load)
@@ -1060,7 +1111,8 @@ def main(argv):
     ]  # fmt: skip
     table = search_markdown(searched, config, command)
   else:
-    rows = run(programs, models, topologies, config, load, log=log)
+    compile_fn = split_compile_fn(f.rollout_chips) if f.rollout_chips else None
+    rows = run(programs, models, topologies, config, load, log=log, compile_fn=compile_fn)
     table = markdown(rows, load, config, command)
   print(table)
   if f.out:

@@ -15,6 +15,7 @@ an `Fp8Refresh`, which holds the rollout params (FP8 decoder linears,
 refreshed after every policy update (`refresh(params, batch)`).
 """
 
+import collections
 import math
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from rlx._jit import counted_jit
 from rlx.rl import _batch, _config
 
 
@@ -168,7 +170,10 @@ class Fp8Refresh:
     shardings = None
     if mesh is not None and self.weight_fp8:
       shardings = policy.param_shardings(self.model_config, mesh, fp8_linears=True)
-    self._quantize = jax.jit(lambda p: sampling.quantize_params(p, cfg), out_shardings=shardings)
+    self._traces = collections.Counter()
+    self._quantize = counted_jit(
+      lambda p: sampling.quantize_params(p, cfg), self._traces, "quantize", out_shardings=shardings
+    )
     # KV scales live replicated on the mesh, however they were computed (one jit cache key).
     self._replicated = None
     if mesh is not None:
@@ -178,6 +183,16 @@ class Fp8Refresh:
     self._source = None
     self.kv_scales: tuple[jax.Array, jax.Array] | None = None
     self.last_refresh_s = 0.0
+
+  def compile_counts(self) -> dict[str, int]:
+    """Programs compiled so far by this refresh's jitted quantization of the rollout params.
+
+    One per params structure and sharding: refreshing after every update leaves it unchanged.
+
+    Returns:
+      {"quantize": n}.
+    """
+    return {"quantize": self._traces["quantize"]}
 
   def rollout_params(self, params: Any) -> Any:
     """The params the sampler runs for the trainer's `params` (quantized once per update)."""

@@ -37,6 +37,7 @@ fifth of the decode loop's compile time on CPU), and a page of a slot finished i
 reused from the next window on.
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -48,6 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx import kernels_pallas, policy
+from rlx._jit import counted_jit
 from rlx._mesh_axes import BATCH_AXES, TENSOR_AXIS
 from rlx.sampling._config import SamplerConfig
 from rlx.sampling._sample import sample_from_uniforms, sample_uniforms
@@ -211,9 +213,13 @@ class Engine:
       self._batch_axes = tuple(a for a in BATCH_AXES if a in mesh.shape) or None
       if TENSOR_AXIS in mesh.shape and model_config.num_kv_heads % mesh.shape[TENSOR_AXIS] == 0:
         self._tensor_axis = TENSOR_AXIS
-    self.decode = jax.jit(self._decode_loop, static_argnames=("allocate",), donate_argnums=(1,))
-    self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-    self.copy_pages = jax.jit(self._copy_pages, donate_argnums=(0,))
+    # Programs traced (= compiled) per function: `Sampler.compile_counts`.
+    self.traces = collections.Counter()
+    self.decode = counted_jit(
+      self._decode_loop, self.traces, "decode", static_argnames=("allocate",), donate_argnums=(1,)
+    )
+    self.prefill = counted_jit(self._prefill, self.traces, "prefill", donate_argnums=(1,))
+    self.copy_pages = counted_jit(self._copy_pages, self.traces, "copy_pages", donate_argnums=(0,))
 
   # --------------------------------------------------------------------------------------
   # Shardings.

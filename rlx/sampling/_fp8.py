@@ -18,7 +18,7 @@ blockwise weights; vLLM (https://github.com/vllm-project/vllm,
 `vllm/attention/layer.py` `calc_kv_scales`) for the KV scales.
 """
 
-import functools
+import collections
 import math
 from typing import Any
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlx import policy
+from rlx._jit import counted_jit
 from rlx.sampling._config import SamplerConfig
 
 K_HEADROOM = 200.0
@@ -35,10 +36,15 @@ V_HEADROOM = 100.0
 _AMAX_FLOOR = 1e-10
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _quantize(linears, dtype: str):
+_TRACES = collections.Counter()  # programs traced by the two jitted functions below
+
+
+def _quantize_impl(linears, dtype: str):
   """`quantize_linears` on a tree holding only the decoder linear kernels."""
   return policy.quantize_linears(linears, dtype)
+
+
+_quantize = counted_jit(_quantize_impl, _TRACES, "quantize_params", static_argnames=("dtype",))
 
 
 def _quantize_linears_only(params, dtype: str):
@@ -103,10 +109,7 @@ def fp8_compile_counts() -> dict[str, int]:
   Returns:
     {"quantize_params": n, "calibrate_kv_scales": n}, over all samplers.
   """
-  return {
-    "quantize_params": _quantize._cache_size(),
-    "calibrate_kv_scales": _kv_absmax._cache_size(),
-  }
+  return {name: _TRACES[name] for name in ("quantize_params", "calibrate_kv_scales")}
 
 
 def _positive(value, name: str) -> float:
@@ -164,11 +167,13 @@ def kv_scales_from_absmax(
   return out[0], out[1]
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _kv_absmax(params, model_config, tokens, mask, positions, segment_ids):
+def _kv_absmax_impl(params, model_config, tokens, mask, positions, segment_ids):
   return policy.kv_absmax(
     params, model_config, tokens, mask, positions=positions, segment_ids=segment_ids
   )
+
+
+_kv_absmax = counted_jit(_kv_absmax_impl, _TRACES, "calibrate_kv_scales", static_argnums=(1,))
 
 
 def calibrate_kv_scales(

@@ -195,7 +195,9 @@ class Sampler:
     (temperature, top-p value, stop-token values, steps_per_sync,
     continuous_batching) share these functions and so these counts (see
     `shares_compiled_programs`). A call that compiles nothing new leaves them
-    unchanged.
+    unchanged. Counted as the programs JAX traces (one per new signature, each
+    compiled or loaded from the persistent compilation cache), which stays
+    exact where `jax.jit(...)._cache_size()` does not (`rlx._jit`).
 
     Returns:
       {"decode": the decode window (one per sampler: fixed shapes),
@@ -203,12 +205,8 @@ class Sampler:
        `rlx.sampling.scheduling.prefill_compile_bound(config)`),
        "copy_pages": the prefix-sharing page copy}.
     """
-    eng = self._engine
-    return {
-      "decode": eng.decode._cache_size(),
-      "prefill": eng.prefill._cache_size(),
-      "copy_pages": eng.copy_pages._cache_size(),
-    }
+    traces = self._engine.traces
+    return {name: traces[name] for name in ("decode", "prefill", "copy_pages")}
 
   def shares_compiled_programs(self, other: "Sampler") -> bool:
     """Whether `other` runs the same jitted device functions (and their compiled programs).

@@ -124,7 +124,7 @@ def test_host_iterations_refresh_after_every_update_without_recompiling():
     np.testing.assert_allclose(np.asarray(fp8.kv_scales[1]), np.asarray(v_want), rtol=1e-6)
     if it == 0:
       scales0 = np.asarray(fp8.kv_scales[0])
-  assert fp8._quantize._cache_size() == 1 and sampler._engine.decode._cache_size() == 1
+  assert fp8.compile_counts() == {"quantize": 1} and sampler.compile_counts()["decode"] == 1
   assert not np.array_equal(scales0, np.asarray(fp8.kv_scales[0]))  # recalibrated, not frozen
   # The KV scales round-trip through the checkpoint's host arrays.
   restored = rl.Fp8Refresh(sampler)

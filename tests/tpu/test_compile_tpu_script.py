@@ -204,3 +204,20 @@ def test_per_token_kv_scale_programs_donate_the_scale_pools(compile_tpu, smoke_r
     assert tok.status == "ok", tok.status
     assert tok.donated * mc.head_dim == static.donated * (mc.head_dim + 4)
   assert rows["decode_fp8tok"].mosaic >= 1
+
+
+def test_async_split_compiles_each_side_on_its_own_chips(compile_tpu, v5e_2x2):
+  """--rollout_chips: the sampler on the last chips (data-parallel), training on the rest."""
+  config, load = compile_tpu.smoke_setup(compile_tpu.default_config())
+  split = compile_tpu.split_compile_fn(2)
+  rows = compile_tpu.run(
+    ["train_step", "decode", "rl_step"], ["tiny"], ["v5e:2x2"], config, load,
+    log=lambda _: None, compile_fn=split,
+  )  # fmt: skip
+  by = {r.program: r for r in rows}
+  assert set(by) == {"train_step", "decode"}  # the fused step needs one mesh
+  assert (by["train_step"].topology, by["train_step"].mesh) == ("v5e:2x2 train 2/4", "1x2x1")
+  assert (by["decode"].topology, by["decode"].mesh) == ("v5e:2x2 rollout 2/4", "2x1x1")
+  assert all(r.status == "ok" and 0 < compile_tpu.in_use(r.memory) < r.capacity for r in rows)
+  with pytest.raises(compile_tpu.app.UsageError, match="must leave chips to both sides"):
+    compile_tpu.split_compile_fn(4)("decode", "tiny", "v5e:2x2", config, load)
