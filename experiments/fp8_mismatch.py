@@ -378,25 +378,7 @@ def policies(config, seed: int):
     return c, model_config, task, models, info, mesh
   rollout_kwargs = rl.sampler_kwargs(c, task, rows=spec.rows, greedy=False)
   seq_len = rollout_kwargs["max_prompt_len"] + rollout_kwargs["max_new_tokens"]
-
-  def subset(examples, n):  # eval.dev_examples / test_examples: 0 = the whole split
-    return examples if not n else examples[: min(n, len(examples))]
-
-  dev = subset(task.split("dev"), spec.dev_examples)
-  test = subset(task.split("test"), spec.test_examples)
-  # The run's greedy evaluation sampler: sized for the dev set (at most 512 rows),
-  # its slots rounded up to a multiple of the mesh's batch axes.
-  eval_batch = min(max(len(dev) or len(test), 1), 512)
-  eval_kwargs = rl.sampler_kwargs(c, task, rows=eval_batch, greedy=True)
-  shards = train.batch_axis_size(mesh)
-  eval_kwargs["max_slots"] = -(-min(eval_kwargs["max_slots"], eval_batch) // shards) * shards
-  eval_sampler = rl.make_sampler(model_config, eval_kwargs, mesh)
-
-  def evaluate(params, examples):
-    if isinstance(examples, str):
-      examples = dev if examples == "dev" else test
-    return rl.greedy_accuracy(eval_sampler, params, task, examples, batch_size=eval_batch)
-
+  evaluate = rl.GreedyEvaluator(c, task, model_config, mesh)
   abstract = train.abstract_train_state(model_config, learner.train_config, mesh)
   warm = rl.warm_start(
     c,

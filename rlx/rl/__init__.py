@@ -63,6 +63,7 @@ from rlx.rl._data import (
   PromptSource,
 )
 from rlx.rl._evaluate import (
+  GreedyEvaluator,
   greedy_accuracy,
 )
 from rlx.rl._learner import (
@@ -154,6 +155,7 @@ __all__ = (
   "format_summary",
   "format_sweep_row",
   "get_config",
+  "GreedyEvaluator",
   "greedy_accuracy",
   "import_user_code",
   "grid_points",

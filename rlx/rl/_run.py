@@ -112,10 +112,6 @@ def build_rollout_mesh(config: ml_collections.ConfigDict, train_mesh: Any) -> An
   return train.make_mesh(-1, 1, 1, devices=devices) if devices else train_mesh
 
 
-def _subset(examples, n):
-  return examples if not n else examples[: min(n, len(examples))]
-
-
 def _write_json(path: str, value: Any) -> None:
   """Strict JSON (non-finite floats as null), written atomically."""
   tmp = path + ".tmp"
@@ -352,27 +348,10 @@ def _build(config: ml_collections.ConfigDict, spec: _spec.RunSpec) -> _Parts:
   mesh = build_mesh(config)
   model_config, init_params = build_model(config, task)
   rollout_kwargs = _rollout.sampler_kwargs(config, task, rows=spec.rows, greedy=False)
-  dev = _subset(task.split("dev"), spec.dev_examples)
-  test = _subset(task.split("test"), spec.test_examples)
-  # The greedy sampler is sized for the dev set, evaluated every eval.every
-  # iterations and every warmup.eval_every steps (its cost grows with its
-  # slots); the test set, evaluated twice, runs in chunks of that size.
-  eval_batch = min(max(len(dev) or len(test), 1), 512)
-  eval_kwargs = _rollout.sampler_kwargs(config, task, rows=eval_batch, greedy=True)
-  # Slots are split over the mesh's batch axes: round up to a multiple of them.
-  shards = train.batch_axis_size(mesh)
-  eval_kwargs["max_slots"] = -(-min(eval_kwargs["max_slots"], eval_batch) // shards) * shards
   sampler = _rollout.make_sampler(model_config, rollout_kwargs, build_rollout_mesh(config, mesh))
-  eval_sampler = _rollout.make_sampler(model_config, eval_kwargs, mesh)
-  greedy = _logging.note_first_call(
-    _evaluate.greedy_accuracy, "the greedy evaluation sampler", enabled=notes
-  )
-
-  def evaluate(params, examples):
-    if isinstance(examples, str):
-      examples = dev if examples == "dev" else test
-    return greedy(eval_sampler, params, task, examples, batch_size=eval_batch)
-
+  # Evaluated every eval.every iterations and every warmup.eval_every steps (dev), twice (test).
+  evaluate = _evaluate.GreedyEvaluator(config, task, model_config, mesh, notes=notes)
+  dev, test = evaluate.dev, evaluate.test
   learner = _learner.Learner(config, task, model_config, mesh)
   driver = _driver.RolloutDriver(spec, learner, sampler, rollout_kwargs, task.split("train"))
   return _Parts(task, mesh, model_config, init_params, dev, test, evaluate, learner, driver)
