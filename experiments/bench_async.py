@@ -13,7 +13,12 @@ the same warmed-up policy runs `--iterations` RL iterations four ways:
   async split + TIS
                   async split with `train.use_rollout_correction` (token-level
                   truncated IS from the behaviour policy to the proximal one,
-                  the decoupled PPO objective of AReaL).
+                  the decoupled PPO objective of AReaL);
+  async split + partial
+                  async split + TIS with APRIL partial rollouts
+                  (`rollout.over_provision = 2`) in the rollout thread, whose
+                  samples in flight take each published version (PipelineRL's
+                  in-flight weight update).
 
 Per run, means per iteration over the iterations after the first `--skip` (compiles):
 the iteration's wall time; the rollout side's busy time per iteration (sync:
@@ -27,7 +32,7 @@ side of the synchronous one (overlap would make it 1.0x; the target is at most
 response lengths are those of a trained policy, not to solve the task); async shared
 reuses the sync run's warm-up (`warmup.init_from`), async split trains its
 own on its learner's devices (a different mesh, so a different warm-up key),
-which async split + TIS reuses.
+which async split + TIS and + partial reuse.
 Accuracy after so few iterations is reported, not compared.
 
 Rerun (prints the markdown table; `--out` also writes it):
@@ -56,7 +61,7 @@ TASKS = {
   "main job": os.path.join(_HERE, "configs", "arithmetic.py"),
   "scratchpad": os.path.join(_HERE, "configs", "arithmetic_scratchpad.py"),
 }
-MODES = ("sync", "async shared", "async split", "async split + TIS")
+MODES = ("sync", "async shared", "async split", "async split + TIS", "async split + partial")
 # Tasks whose warm-up is capped at --warmup_steps: it teaches the response format (so the
 # lengths are a trained policy's), not the task. The main job keeps its own warm-up.
 FORMAT_WARMUP = ("scratchpad",)
@@ -87,8 +92,10 @@ def mode_config(base, mode: str, *, iterations: int, devices: int, rollout_devic
     c.rl.async_queue_size = 1
   if mode.startswith("async split"):
     c.mesh.rollout_devices = rollout_devices
-  if mode.endswith("+ TIS"):  # decoupled PPO's behaviour -> proximal weight, token-level TIS
-    c.train.use_rollout_correction = True
+  if mode.endswith(("+ TIS", "+ partial")):  # decoupled PPO's behaviour -> proximal weight
+    c.train.use_rollout_correction = True  # (token-level TIS)
+  if mode.endswith("+ partial"):  # APRIL in the rollout thread, weights updated in flight
+    c.rollout.over_provision = 2.0
   return c
 
 
@@ -135,7 +142,7 @@ def run_task(name: str, args: dict, workdir: str) -> list[dict]:
     )
     if mode == "async shared":  # the sync run's warm-up (same devices, same warm-up key)
       c.warmup.init_from = os.path.join(task_dir, "sync")
-    if mode == "async split + TIS":  # async split's (same meshes)
+    if mode in ("async split + TIS", "async split + partial"):  # async split's (same meshes)
       c.warmup.init_from = os.path.join(task_dir, "async_split")
     run_dir = os.path.join(task_dir, mode.replace(" + ", "_").replace(" ", "_"))
     summary = rl.run(c, run_dir)

@@ -64,6 +64,10 @@ def test_mode_configs_validate_and_differ_only_in_the_rollout():
   assert not configs["async split"].train.use_rollout_correction
   tis = configs["async split + TIS"]
   assert tis.mesh.rollout_devices == 1 and tis.train.use_rollout_correction
+  assert tis.rollout.over_provision == 1.0
+  partial = configs["async split + partial"]
+  assert partial.rollout.over_provision == 2.0 and partial.train.use_rollout_correction
+  assert partial.mesh.rollout_devices == 1 and partial.rl.async_rollout
   assert base.rl.iterations != 6  # the base config is left as it was
   assert base.task.arithmetic.scratchpad
 
