@@ -229,15 +229,16 @@ def test_batches_over_max_staleness_are_dropped_or_kept_and_counted(tmp_path, mo
     assert [r["async/batch_index"] for r in records] == list(range(6))
 
 
-def test_async_partial_rollouts_on_disjoint_devices(tmp_path):
-  """APRIL partial rollouts in the rollout thread (weights updated in flight) on a device of
-  their own: every trained group is complete, new, and versioned per token."""
+@pytest.mark.parametrize(("devices", "rollout_devices"), [(1, 0), (2, 1), (8, 4)])
+def test_async_partial_rollouts_on_shared_and_disjoint_devices(tmp_path, devices, rollout_devices):
+  """APRIL partial rollouts in the rollout thread (weights updated in flight), sharing the
+  devices or on their own: every trained group is complete, new, and versioned per token."""
   rl_test_utils.register_test_tasks()
   config = _config(
     **{
       "rl.iterations": 4,
-      "mesh.num_devices": 2,
-      "mesh.rollout_devices": 1,
+      "mesh.num_devices": devices,
+      "mesh.rollout_devices": rollout_devices,
       "rollout.over_provision": 2.0,
     }
   )
