@@ -13,7 +13,6 @@ import pytest
 import rl_test_utils
 
 from rlx import rl, train
-from rlx.rl import _driver
 
 
 class _FakeRollout:
@@ -261,22 +260,21 @@ def test_killed_run_resumes_with_no_prompt_lost_or_trained_twice(tmp_path, monke
   rl_test_utils.register_test_tasks()
   config = _config(**({"rollout.over_provision": 2.0} if partial else {}))
   workdir = str(tmp_path / "killed")
-  original = _driver.RolloutDriver._async_iteration
+  original = rl.AsyncRollout.get
   calls, ahead = [], []
 
-  def dying(self, *args, **kwargs):
+  def dying(self):
     calls.append(1)
-    if len(calls) == 6:
-      pipe = self.async_rollout
-      _wait_for(lambda: pipe.queue.full())
-      ahead.append(pipe._next_index - 5)  # batches sampled beyond the 5 trained
+    if len(calls) == 6:  # the learner asks for its 6th batch: 5 trained
+      _wait_for(lambda: self.queue.full())
+      ahead.append(self.queue.qsize())  # batches sampled beyond the 5 trained
       raise KeyboardInterrupt("killed")
-    return original(self, *args, **kwargs)
+    return original(self)
 
-  monkeypatch.setattr(_driver.RolloutDriver, "_async_iteration", dying)
+  monkeypatch.setattr(rl.AsyncRollout, "get", dying)
   with pytest.raises(KeyboardInterrupt):
     rl.run(config, workdir)
-  monkeypatch.setattr(_driver.RolloutDriver, "_async_iteration", original)
+  monkeypatch.setattr(rl.AsyncRollout, "get", original)
   assert ahead[0] >= 1  # the kill found sampled batches the learner had not trained
   deadline = time.time() + 60  # the step-4 save finishes in the background
   while "4" not in os.listdir(os.path.join(workdir, "checkpoints")) and time.time() < deadline:

@@ -151,10 +151,8 @@ def test_a_workdir_keeps_its_record(straight, tmp_path):
 
 
 def test_an_iteration_that_raises_closes_the_checkpointer_and_log(tmp_path, monkeypatch):
-  from rlx.rl import _logging, _run  # noqa: PLC0415
-
   closed = []
-  for cls in (train.Checkpointer, _logging.MetricsLog):
+  for cls in (train.Checkpointer, rl.MetricsLog):
     original = cls.close
 
     def close(self, original=original):
@@ -163,10 +161,12 @@ def test_an_iteration_that_raises_closes_the_checkpointer_and_log(tmp_path, monk
 
     monkeypatch.setattr(cls, "close", close)
 
-  def broken_loop(config, loop, parts, *args):
+  def broken_iteration(*args, **kwargs):
     raise RuntimeError("an iteration failed")
 
-  monkeypatch.setattr(_run, "_rl_loop", broken_loop)
+  # The fused iteration (the test task has a JAX reward) and the host-driven one.
+  monkeypatch.setattr(rl.RLStep, "from_examples", broken_iteration)
+  monkeypatch.setattr(rl.Learner, "iteration", broken_iteration)
   rl_test_utils.register_test_tasks()
   with pytest.raises(RuntimeError, match="an iteration failed"):
     rl.run(rl_test_utils.run_config(), str(tmp_path))
