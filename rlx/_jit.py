@@ -5,10 +5,13 @@ which is not a count of compiles: JAX keeps those caches in one LRU over all jit
 functions (8192 of them in jax 0.10), and once a process holds more, a new
 function gets no entry at all and reads 0 however often it compiled (its calls
 take the slower Python dispatch path instead). A long test session, a notebook or
-an in-process sweep gets there. Counting traces instead is exact: JAX traces a
-function once per new abstract signature (shapes, dtypes, shardings, static
-arguments), and each trace is a program it lowers and compiles (or loads from
-the persistent compilation cache). Imports nothing of rlx.
+an in-process sweep gets there. Counting traces instead does not depend on
+that cache: JAX traces a function once per new abstract signature (shapes,
+dtypes, static arguments), and each trace is a program it lowers and compiles
+(or loads from the persistent compilation cache). Not counted: a compile
+without a new trace, as when arguments of the same signature are committed
+to other devices, and an ahead-of-time `.lower(...).compile()` of an
+already traced signature. Imports nothing of rlx.
 """
 
 import collections

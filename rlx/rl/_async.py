@@ -148,7 +148,15 @@ class AsyncRollout:
     self.busy_s = 0.0  # the thread's seconds collecting (its idle time is the rest)
 
   def publish(self, params: Any, version: int) -> None:
-    """Makes `params` (policy version `version`) the ones the next collections sample with."""
+    """Makes `params` (policy version `version`) the ones the next collections sample with.
+
+    Raises:
+      ValueError: `version` is older than the last published one.
+    """
+    with self._lock:
+      last = None if self._latest is None else self._latest[1]
+    if last is not None and int(version) < last:
+      raise ValueError(f"`version` {version} is older than the last published {last}.")
     placed = self.place(params)
     with self._lock:
       self._latest = (placed, int(version))

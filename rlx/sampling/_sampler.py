@@ -195,9 +195,11 @@ class Sampler:
     (temperature, top-p value, stop-token values, steps_per_sync,
     continuous_batching) share these functions and so these counts (see
     `shares_compiled_programs`). A call that compiles nothing new leaves them
-    unchanged. Counted as the programs JAX traces (one per new signature, each
-    compiled or loaded from the persistent compilation cache), which stays
-    exact where `jax.jit(...)._cache_size()` does not (`rlx._jit`).
+    unchanged. Counted as the programs JAX traces (one per new abstract
+    signature: shapes, dtypes, static values), which a long process keeps
+    counting where `jax.jit(...)._cache_size()` reads 0 (`rlx._jit`). Inputs
+    of the same signature placed on other devices compile again without a
+    new trace; that is not counted.
 
     Returns:
       {"decode": the decode window (one per sampler: fixed shapes),
@@ -528,9 +530,11 @@ class Sampler:
     https://arxiv.org/abs/2509.19128): with `params_update`, the host loop asks
     it at every scheduling point (between decode windows) for newer params;
     the running rows continue with them from their next token, their K/V
-    cached by the older params staying in place (only a preempted row's K/V is
-    recomputed, by the params current at its re-admission). Each token
-    records the version that generated it (`Completions.versions`).
+    cached by the older params staying in place (a preempted row's K/V is
+    recomputed by the params current at its re-admission, and a sample
+    admitted after the update prefills its prompt with the new params, not
+    sharing its siblings' older prompt pages). Each token records the version
+    that generated it (`Completions.versions`).
 
     Args:
       params: the policy params (as in `generate`).
@@ -547,7 +551,8 @@ class Sampler:
       kv_scales: as in `generate`.
       policy_version: int >= 0, the version of `params` (recorded per token).
       params_update: optional `f() -> None | (params, version)`, called after
-        every decode window (unless the call ends there on `stop_when`): None
+        every decode window that leaves rows to run (and does not end the call
+        on `stop_when`): None
         keeps the current params, a pair switches to them (same structure;
         `version` >= the current one) from the next admission and window on.
 
@@ -666,7 +671,8 @@ class Sampler:
       if stop_when is not None and stop_when(sched.done()):
         sched.abort()
         break
-      if params_update is not None and (update := params_update()) is not None:
+      waiting = sched.running or sched.queue  # no update after the last window
+      if params_update is not None and waiting and (update := params_update()) is not None:
         params, new_version = self._updated_params(update, sched.version)
         sched.switch_version(new_version)
     sched.finish()

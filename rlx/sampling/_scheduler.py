@@ -355,10 +355,14 @@ class Scheduler:
     """The params change to policy version `version` before the next window (in-flight update).
 
     Every unfinished request's next tokens record `version`; what it generated
-    so far keeps its versions (and a running one its cached K/V).
+    so far keeps its versions (and a running one its cached K/V). The held
+    prompt pages (prefilled by the older params for samples not admitted yet)
+    are dropped, so a sample admitted from now on prefills its prompt with the
+    new params: every one of its tokens is the new version's.
     """
     if version < self.version:
       raise ValueError(f"policy versions must not decrease: {version} after {self.version}.")
+    self.pages.drop_holders()
     self.version = int(version)
     slot_of = {id(r): s for s, r in enumerate(self.slot_req) if r is not None}
     for req in self.requests:

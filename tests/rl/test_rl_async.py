@@ -115,6 +115,8 @@ def test_partial_rollouts_take_published_params_in_flight_and_carry_their_buffer
   assert [e.prompt_ids[0] for e in second.examples] == [source.examples[k].prompt_ids[0]
                                                         for k in keys]  # fmt: skip
   assert pipe.consumed_buffer == {"collections": 2}
+  with pytest.raises(ValueError, match="older than the last published 1"):
+    pipe.publish("v0", 0)
   pipe.stop()
 
 

@@ -75,7 +75,8 @@ def test_same_values_under_a_new_version_change_nothing_but_the_versions(num_pag
   out = _generate(sampler, params, update, version=5)
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.logprobs, plain.logprobs)
-  assert out.stats["params_updates"] == 1 and len(calls) == out.stats["syncs"]  # after every window
+  # Asked after every window but the last (which leaves nothing to run).
+  assert out.stats["params_updates"] == 1 and len(calls) == out.stats["syncs"] - 1
   assert (plain.versions[:, :M] == 5).all()  # no update: every token is the call's version
   for r in range(len(PROMPTS)):
     v = out.versions[r, : out.lengths[r]]
@@ -106,6 +107,29 @@ def test_new_params_take_over_in_flight_and_rows_admitted_later_are_theirs_alone
   np.testing.assert_array_equal(out.tokens[2:], only_new.tokens[2:])
   np.testing.assert_allclose(out.logprobs[2:], only_new.logprobs[2:], atol=1e-5)
   np.testing.assert_array_equal(out.versions[2:], only_new.versions[2:])
+
+
+def test_a_sample_admitted_after_an_update_does_not_share_the_older_prompt_pages():
+  """Three samples of one prompt, two slots: the third is admitted after the update. Its
+  prompt K/V is the new params' (the older prompt pages are not shared), so it equals a run
+  with the new params from the start."""
+  sampler = sampling.Sampler(MODEL, _config())
+
+  def generate(params, update=None, version=0):
+    return sampler.generate_requests(
+      params, [PROMPTS[0]] * 3, prompt_index=[0, 0, 0], sample_index=[0, 1, 2],
+      rng=jax.random.key(3), policy_version=version, params_update=update,
+    )  # fmt: skip
+
+  old, new = _params(0), _params(1)
+  only_new = generate(new, version=1)
+  update, _ = _once(new, 1)
+  out = generate(old, update)
+  assert (out.versions[2] == 1).all()
+  np.testing.assert_array_equal(out.tokens[2], only_new.tokens[2])
+  np.testing.assert_allclose(out.logprobs[2], only_new.logprobs[2], atol=1e-5)
+  # The two samples admitted first shared the old prompt pages and switched in flight.
+  np.testing.assert_array_equal(out.versions[:2, :WINDOW], 0)
 
 
 def test_a_resumed_prefix_keeps_version_minus_one_and_new_tokens_are_versioned():
