@@ -96,13 +96,31 @@ def _write_tokenizer(directory, *, chat_template=CHAT_TEMPLATE):
 
 @pytest.fixture
 def policy_loss_registry():
-  """Restores rlx.objectives' loss registry after a test that registers losses."""
-  from rlx.objectives import _registry  # noqa: PLC0415
+  """Restores rlx.objectives' loss registry (its entries, in order) after a test that registers.
 
-  saved = dict(_registry._SPECS)
+  From the first entry that differs on, the test's entries are unregistered and
+  the saved ones registered again (the built-ins, first, never differ).
+  """
+  from rlx import objectives  # noqa: PLC0415
+
+  saved = list(objectives.POLICY_LOSS_SPECS.items())
   yield
-  _registry._SPECS.clear()
-  _registry._SPECS.update(saved)
+  now = list(objectives.POLICY_LOSS_SPECS.items())
+  same = 0
+  while same < min(len(saved), len(now)) and saved[same] == now[same]:
+    same += 1
+  for name, _ in now[same:]:
+    objectives.unregister_policy_loss(name)
+  for name, spec in saved[same:]:
+    objectives.register_policy_loss(
+      name,
+      spec.fn,
+      extra_inputs=spec.extra_inputs,
+      clip_keywords=spec.clip_keywords,
+      default_agg=spec.default_agg,
+      differentiable_entropy=spec.differentiable_entropy,
+    )
+  assert list(objectives.POLICY_LOSS_SPECS.items()) == saved
 
 
 @pytest.fixture(scope="session")

@@ -96,6 +96,7 @@ from rlx.objectives._registry import (
   get_policy_loss_spec,
   policy_loss_spec,
   register_policy_loss,
+  unregister_policy_loss,
 )
 from rlx.objectives._rejection import (
   rollout_rejection_mask,
@@ -174,6 +175,7 @@ __all__ = (
   "sequence_log_ratio",
   "token_importance_weights",
   "token_log_ratio",
+  "unregister_policy_loss",
   "vcpo_advantages",
   "vcpo_baseline",
   "vcpo_lr_factor",

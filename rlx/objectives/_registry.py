@@ -8,7 +8,8 @@ what it may set), and whether its entropy input carries a gradient.
 
 The built-in losses are registered here; a researcher's own loss joins them
 with `register_policy_loss` and is then selected by name like any other
-(`train.loss = "my_loss"`, see `rlx.train.get_config`).
+(`train.loss = "my_loss"`, see `rlx.train.get_config`);
+`unregister_policy_loss` removes it again.
 """
 
 import inspect
@@ -293,6 +294,40 @@ def register_policy_loss(
   )
   _SPECS[name] = spec
   return spec
+
+
+def unregister_policy_loss(name: str) -> PolicyLossSpec:
+  """Removes the loss registered under `name` by `register_policy_loss`.
+
+  Afterwards `name` is free again (`register_policy_loss` takes it without
+  `overwrite`), e.g. to drop a loss tried in a notebook or to restore the
+  registry after registering losses for a test. The returned spec registers
+  the same loss again:
+
+    spec = rlx.objectives.unregister_policy_loss("my_loss")
+    rlx.objectives.register_policy_loss(
+        "my_loss", spec.fn, extra_inputs=spec.extra_inputs,
+        clip_keywords=spec.clip_keywords, default_agg=spec.default_agg,
+        differentiable_entropy=spec.differentiable_entropy)
+
+  Args:
+    name: the key of a registered loss (not a built-in).
+
+  Returns:
+    The removed `PolicyLossSpec`.
+
+  Raises:
+    ValueError: `name` is a built-in loss, or no loss is registered under it.
+  """
+  if isinstance(name, str) and name in _BUILTIN:
+    raise ValueError(f"`name` {name!r} is a built-in loss and cannot be removed.")
+  try:
+    return _SPECS.pop(name)
+  except (KeyError, TypeError):
+    registered = tuple(n for n in _SPECS if n not in _BUILTIN)
+    raise ValueError(
+      f"`name` must be a registered loss, one of {registered}, got {name!r}."
+    ) from None
 
 
 def get_policy_loss_spec(name: str) -> PolicyLossSpec:

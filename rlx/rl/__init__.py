@@ -114,6 +114,7 @@ from rlx.rl._sweep import (
 )
 from rlx.rl._warmstart import (
   WarmStart,
+  read_warmup_key,
   warm_start,
   warmup_key,
 )
@@ -169,6 +170,7 @@ __all__ = (
   "plot_run",
   "plot_sweep",
   "read_metrics",
+  "read_warmup_key",
   "response_arrays",
   "run",
   "RunCursor",

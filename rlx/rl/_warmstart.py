@@ -71,11 +71,21 @@ def resolve_source(init_from: str) -> str:
   )
 
 
-def read_key(directory: str) -> dict[str, Any] | None:
-  """The `warmup_key` saved in `directory` (None if none is).
+def read_warmup_key(directory: str) -> dict[str, Any] | None:
+  """The `warmup_key` a saved warm-up was trained for (None if `directory` holds none).
 
-  A warm-up field added to the config after that key was saved had its
-  default then, and is filled in so (the key of a default warm-up stays equal).
+  A run saves its warm-up in `<workdir>/warmup` with its key in
+  `warmup_key.json`; `warmup.init_from` reuses it only for a config of an
+  equal key, so `read_warmup_key(path) == warmup_key(config)` says whether a
+  cached warm-up fits a config. A warm-up field added to the config after
+  that key was saved had its default then, and is filled in so (the key of a
+  default warm-up stays equal).
+
+  Args:
+    directory: a warm-up directory (`<workdir>/warmup`).
+
+  Returns:
+    The key as plain JSON values, or None if `directory` has no `warmup_key.json`.
   """
   path = os.path.join(directory, KEY_FILE)
   if not os.path.exists(path):
@@ -147,7 +157,7 @@ def warm_start(
   ckpt = train.Checkpointer(directory, max_to_keep=1, async_save=False)
   try:
     if ckpt.latest_step() is not None:  # this run's own warm-up (a resumed run)
-      saved = read_key(directory)
+      saved = read_warmup_key(directory)
       if saved is not None and saved != key:
         raise ValueError(
           f"{directory} holds a warm-up of another config "
@@ -239,7 +249,7 @@ def _reuse(
 ) -> tuple[Any, dict]:
   """The params and record of another run's warm-up with the same key."""
   source = resolve_source(init_from)
-  saved = read_key(source)
+  saved = read_warmup_key(source)
   if saved != key:
     raise ValueError(
       f"`config.warmup.init_from`={init_from!r} is the warm-up of another config "

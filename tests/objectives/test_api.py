@@ -62,6 +62,7 @@ PUBLIC = {
   "sequence_log_ratio",
   "token_importance_weights",
   "token_log_ratio",
+  "unregister_policy_loss",
   "vcpo_advantages",
   "vcpo_baseline",
   "vcpo_lr_factor",

@@ -58,6 +58,32 @@ def test_name_rules(policy_loss_registry):
       obj.register_policy_loss(bad, my_ppo)
 
 
+def test_unregister_frees_the_name_and_returns_what_re_registers_it(policy_loss_registry):
+  builtins = dict(obj.POLICY_LOSS_SPECS)
+  spec = obj.register_policy_loss("mine", my_ppo, default_agg="seq-mean-token-mean")
+  assert obj.unregister_policy_loss("mine") is spec
+  assert dict(obj.POLICY_LOSS_SPECS) == builtins and "mine" not in obj.POLICY_LOSSES
+  with pytest.raises(ValueError, match=r"`name` must be one of .*got 'mine'"):
+    obj.get_policy_loss("mine")
+  with pytest.raises(ValueError, match=r"must be a registered loss, one of \(\), got 'mine'"):
+    obj.unregister_policy_loss("mine")
+  again = obj.register_policy_loss(  # the name is free again: no `overwrite`
+    "mine",
+    spec.fn,
+    extra_inputs=spec.extra_inputs,
+    clip_keywords=spec.clip_keywords,
+    default_agg=spec.default_agg,
+    differentiable_entropy=spec.differentiable_entropy,
+  )
+  assert again == spec and obj.POLICY_LOSS_SPECS["mine"] is again
+  for name in builtins:
+    with pytest.raises(ValueError, match="is a built-in loss and cannot be removed"):
+      obj.unregister_policy_loss(name)
+  with pytest.raises(ValueError, match=r"one of \('mine',\), got 3"):
+    obj.unregister_policy_loss(3)
+  assert set(obj.POLICY_LOSS_SPECS) == {*builtins, "mine"}
+
+
 def test_contract_is_checked(policy_loss_registry):
   def positional(logp, old_logp, adv, mask, *, is_weights=None, agg="token-mean", agg_scale=None):
     return my_ppo(logp, old_logp, adv, mask)

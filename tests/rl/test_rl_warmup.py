@@ -10,7 +10,6 @@ import pytest
 import rl_test_utils
 
 from rlx import rl
-from rlx.rl import _warmstart
 
 
 def _one_step(max_grad_norm):
@@ -63,7 +62,8 @@ def test_a_saved_key_without_the_clip_field_is_the_default_warmup(tmp_path):
   key = rl.warmup_key(config)
   old = json.loads(json.dumps(key))
   del old["warmup"]["max_grad_norm"]  # saved before the field existed
-  (tmp_path / _warmstart.KEY_FILE).write_text(json.dumps(old))
-  assert _warmstart.read_key(str(tmp_path)) == key
+  assert rl.read_warmup_key(str(tmp_path)) is None
+  (tmp_path / "warmup_key.json").write_text(json.dumps(old))
+  assert rl.read_warmup_key(str(tmp_path)) == key
   config.warmup.max_grad_norm = 0.0
-  assert _warmstart.read_key(str(tmp_path)) != rl.warmup_key(config)
+  assert rl.read_warmup_key(str(tmp_path)) != rl.warmup_key(config)

@@ -10,6 +10,7 @@ import warnings
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import train_testlib as tl
 
@@ -234,7 +235,8 @@ def test_saves_that_cannot_happen_raise(tmp_path, monkeypatch):
       ckpt.save(4, state, data_cursor={"rng": np.random.default_rng(0)})
     with pytest.raises(ValueError, match=r"`extra\['name'\]` must be a numeric array"):
       ckpt.save(4, state, extra={"name": "run-1", "n": np.arange(2)})
-    monkeypatch.setattr(type(ckpt._manager), "save", lambda *a, **k: False)
+    # Orbax's CheckpointManager.save returns False when it declines a save.
+    monkeypatch.setattr(ocp.CheckpointManager, "save", lambda *a, **k: False)
     with pytest.raises(train.CheckpointError, match="orbax declined to save checkpoint step 4"):
       ckpt.save(4, state)
     monkeypatch.undo()

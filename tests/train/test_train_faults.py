@@ -6,7 +6,6 @@ import pytest
 import train_testlib as tl
 
 from rlx import policy, train
-from rlx.train import _batch  # spied on: `_device_summary` (see its test)
 
 
 def _good_batch(m, state, logprobs):
@@ -241,24 +240,34 @@ def test_batch_dtypes_are_named(key, value, match):
       jax.eval_shape(step_fn.step_fn, state, batch)
 
 
-def test_device_batches_are_reduced_once_per_new_array(monkeypatch):
+def test_device_batches_are_reduced_once_per_new_array():
+  """Device arrays found valid are not read again; a new one under a checked key is.
+
+  Reads are observed with deleted arrays: reading one raises, so a check that
+  passes over deleted arrays read none of them.
+  """
   m, cfg, step_fn, logprobs = tl.fns("single")
   state = tl.init_state(m, cfg)
-  calls = []
-  reduce = _batch._device_summary
-  monkeypatch.setattr(_batch, "_device_summary", lambda *a: calls.append(a) or reduce(*a))
   batch = tl.make_batch(0)
   batch.pop("rollout_noise")
   batch = train.shard_batch(batch, m)
+  host_mask = np.asarray(batch["loss_mask"])
   batch["old_logp"] = logprobs(state, batch)  # tokens + mask reduced
-  assert len(calls) == 1
-  step_fn.check_and_place(state, batch)  # only the float keys are new: one reduction
-  step_fn.check_and_place(state, batch)  # nothing new
-  assert len(calls) == 2
+  # New arrays are read: a deleted new float array fails the check.
+  gone = train.shard_batch({"old_logp": np.asarray(batch["old_logp"])}, m)["old_logp"]
+  gone.delete()
+  with pytest.raises(RuntimeError, match="deleted"):
+    step_fn.check_and_place(state, dict(batch, old_logp=gone))
+  step_fn.check_and_place(state, batch)  # the float keys are new: reduced with tokens + mask
   # A new array under a checked key is checked again (the cache is by identity).
   old = np.array(batch["old_logp"])
-  old[0, int(np.argmax(np.asarray(batch["loss_mask"])[0]))] = np.nan
+  old[0, int(np.argmax(host_mask[0]))] = np.nan
   bad = dict(batch, old_logp=train.shard_batch({"old_logp": old}, m)["old_logp"])
   with pytest.raises(ValueError, match=r"`batch\['old_logp'\]` must be finite"):
     step_fn.check_and_place(state, bad)
-  assert len(calls) == 3
+  # Nothing new: no array of the batch is read (deleted, they all pass), and they are
+  # placed as they are.
+  for x in batch.values():
+    x.delete()
+  placed = step_fn.check_and_place(state, batch)
+  assert all(placed[k] is batch[k] for k in batch)

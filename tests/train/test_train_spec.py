@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import pytest
 import train_testlib as tl
 
@@ -123,11 +124,22 @@ def test_tracing_the_step_never_reads_the_config_again(monkeypatch):
   def refuse(*args, **kwargs):
     raise AssertionError("the train config was read after the step was built")
 
-  # The config helpers the builders call, where they look them up (internal names:
-  # the step must not reach them, whichever public function wraps them).
-  for name in ("loss_spec", "resolve_agg", "to_kwargs", "validate_config"):
-    monkeypatch.setattr(f"rlx.train._config.{name}", refuse)
+  # The config the builders were given is emptied (every section), so any read of it fails.
+  sections = [cfg]
+  for section in sections:  # grows while it is walked: every nested section
+    sections += [v for v in section.values() if isinstance(v, ml_collections.ConfigDict)]
+  for section in sections:
+    section.unlock()
+    for key in list(section.keys()):
+      del section[key]
+  assert "loss" not in cfg and step.config is cfg
+  # A copy of it is refused too: no ConfigDict value is read from here on, nor the
+  # config resolved again (StepSpec.from_config, or the registry lookup of its loss).
+  for name in ("__getitem__", "items", "values", "iteritems", "to_dict"):
+    monkeypatch.setattr(ml_collections.ConfigDict, name, refuse)
   monkeypatch.setattr(StepSpec, "from_config", classmethod(refuse))
+  monkeypatch.setattr(objectives, "get_policy_loss_spec", refuse)
+  monkeypatch.setattr(objectives, "get_policy_loss", refuse)
   b, s = tl.BATCH, tl.SEQ
   floats = jax.ShapeDtypeStruct((b, s), jnp.float32)
   batch = {
