@@ -45,6 +45,11 @@ being trained):
                  https://arxiv.org/abs/2110.00641; train.use_rollout_correction).
   ppo_ewma       the same with pi_prox = PPO-EWMA's average of past params
                  (rl.old_logp = "ewma", decay rl.ewma_decay per iteration).
+  vcpo           decoupled_ppo plus VCPO's two variance controls (Huang et al.
+                 2026, https://arxiv.org/abs/2602.17616): every update scaled
+                 by sqrt(min(1, ESS)) of the sequence weights pi_prox / mu
+                 (train.use_vcpo), and the minimum-variance baseline, rewards
+                 weighted by w^2 ||grad log pi_prox||^2 (rl.baseline = "vcpo").
 
 At staleness 0, mu = pi_prox and every row but ppo_ewma is its plain
 on-policy method.
@@ -55,7 +60,8 @@ iterations), the deepest dip below the running peak (recovered or not), the
 mean clip / mask fractions, the
 sequence-level ESS of pi_prox / mu (`rlx.rl.offpolicy_metrics`) and the
 per-token entropy over the first and last 10 iterations, and per objective
-the paired difference from its own staleness-0 cell, seed by seed.
+the paired differences, seed by seed, from its own staleness-0 cell and from
+the `--reference` objective at the same staleness (ppo by default).
 """
 
 import json
@@ -99,6 +105,13 @@ METHODS = {
     "train.use_rollout_correction": True,
     "rl.old_logp": "ewma",
   },
+  "vcpo": {
+    "train.loss": "ppo",
+    "train.use_rollout_correction": True,
+    "train.use_vcpo": True,
+    "rl.baseline": "vcpo",
+    "rl.old_logp": "current",
+  },
 }
 
 
@@ -111,6 +124,9 @@ def _define_flags() -> None:
   flags.DEFINE_list("methods", list(METHODS), f"Objectives, of {list(METHODS)}.")
   flags.DEFINE_list("staleness", ["0", "4", "16", "64"], "rl.staleness values.")
   flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of every cell.")
+  flags.DEFINE_string(
+    "reference", "ppo", "The objective every other one is paired with at the same staleness."
+  )
   flags.DEFINE_string("workdir", "/tmp/rlx_staleness", "Root output directory.")
   flags.DEFINE_string("out", "", "Also write the tables (and plots beside) to this file.")
   flags.DEFINE_string("note", "", "A paragraph for the --out file.")
@@ -184,11 +200,16 @@ def _paired(rows, base_rows, key, scale=1.0):
   return f"{statistics.mean(diffs):+.1f} ± {sd:.1f} (n={len(diffs)})"
 
 
-def study_table(cells: dict) -> str:
-  """Markdown: one row per (objective, staleness), mean (min..max) over seeds."""
+def study_table(cells: dict, reference: str = "ppo") -> str:
+  """Markdown: one row per (objective, staleness), mean (min..max) over seeds.
+
+  Each row is paired seed by seed with its own staleness-0 cell and with the
+  `reference` objective's cell at the same staleness.
+  """
   lines = [
     "| objective | staleness | seeds | test acc. after | vs own staleness 0, paired (points) "
-    "| vs ppo at this staleness, paired (points) | best dev acc. | collapses | deepest dip "
+    f"| vs {reference} at this staleness, paired (points) | best dev acc. | collapses "
+    "| deepest dip "
     "| clip frac. | mask / trunc. frac. | ESS "
     "| entropy start -> end |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -196,14 +217,14 @@ def study_table(cells: dict) -> str:
   for (method, k), rows in cells.items():
     base = cells.get((method, 0), [])
     paired = "-" if k == 0 else _paired(rows, base, "accuracy_after", 100.0)
-    ppo = cells.get(("ppo", k), [])
-    vs_ppo = "-" if method == "ppo" else _paired(rows, ppo, "accuracy_after", 100.0)
+    ref = cells.get((reference, k), [])
+    vs_ref = "-" if method == reference else _paired(rows, ref, "accuracy_after", 100.0)
     ent = f"{_fmt([r['entropy_start'] for r in rows], '.3f')} -> " + _fmt(
       [r["entropy_end"] for r in rows], ".3f"
     )
     lines.append(
       f"| {method} | {k} | {len(rows)} | {_fmt([r['accuracy_after'] for r in rows], '.3f')} | "
-      f"{paired} | {vs_ppo} | {_fmt([r['best_dev'] for r in rows], '.3f')} | "
+      f"{paired} | {vs_ref} | {_fmt([r['best_dev'] for r in rows], '.3f')} | "
       f"{sum(r['collapsed'] for r in rows)}/{len(rows)} | "
       f"{_fmt([r['max_drop'] for r in rows], '.3f')} | "
       f"{_fmt([r['clip_frac'] for r in rows], '.3f')} | "
@@ -291,7 +312,7 @@ def main(argv):
     stats = run_stats(row["workdir"], row["warmup_dev_accuracy"])
     cells.setdefault(keys[i // len(seeds)], []).append({**row, **stats})
   summary = summary_table(cells, methods, staleness)
-  table = study_table(cells)
+  table = study_table(cells, fl.reference)
   plot = plot_study(cells, methods, staleness, os.path.join(fl.workdir, "study.png"))
   with open(os.path.join(fl.workdir, "study.json"), "w") as out:
     json.dump({f"{m}/{k}": rs for (m, k), rs in cells.items()}, out, indent=1)

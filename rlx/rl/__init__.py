@@ -34,6 +34,7 @@ scales, re-quantized / recalibrated by `Learner.iteration` after every update.
 
 from rlx.rl._advantages import (
   group_advantages,
+  vcpo_row_advantages,
 )
 from rlx.rl._async import AsyncRollout
 from rlx.rl._batch import (
@@ -161,6 +162,7 @@ __all__ = (
   "import_user_code",
   "grid_points",
   "group_advantages",
+  "vcpo_row_advantages",
   "make_rl_step",
   "offpolicy_metrics",
   "make_sampler",

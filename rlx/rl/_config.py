@@ -211,7 +211,13 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # G: samples per prompt that carry gradient. The median baseline (MC-GRPO)
   # samples G + 1 and drops one pivot per group, so G must be even there.
   c.rl.num_samples = 8
-  c.rl.baseline = "grpo"  # grpo | drgrpo | rloo | median
+  # grpo | drgrpo | rloo | median | vcpo. "vcpo": VCPO's minimum-variance
+  # off-policy baseline (https://arxiv.org/abs/2602.17616), the group's rewards
+  # weighted by w_i^2 ||grad log pi(tau_i)||^2 (sequence IS weight to the
+  # sampler, score-gradient norm at the learner's params), over the group's
+  # reward std; costs one more backward pass per response each iteration
+  # (rlx.rl.vcpo_row_advantages).
+  c.rl.baseline = "grpo"
   # Sampling temperature of the rollouts; also the train step's unless
   # train.temperature is set.
   c.rl.temperature = 1.0
@@ -381,7 +387,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   g = rl.num_samples
   if not isinstance(g, int) or g < 1:
     raise ValueError(f"`config.rl.num_samples` must be an int >= 1, got {g!r}.")
-  if rl.baseline in ("grpo", "drgrpo", "rloo") and g < 2:
+  if rl.baseline in ("grpo", "drgrpo", "rloo", "vcpo") and g < 2:
     raise ValueError(
       f"`config.rl.num_samples` must be >= 2 for the {rl.baseline!r} baseline (a group "
       f"baseline needs at least two samples per prompt), got {g}."

@@ -5,7 +5,8 @@ policy loss chosen from rlx.objectives.POLICY_LOSSES):
 
   batch      = rollout.collect(params, prompts, rng)        # K samples / prompt
   rewards    = task.jax_reward(...) on device | task.reward(...) on host
-  adv, keep  = group advantages (grpo | drgrpo | rloo | median/MC-GRPO)
+  adv, keep  = group advantages (grpo | drgrpo | rloo | median/MC-GRPO; vcpo
+               after old_logp, from score-gradient norms and IS weights)
   old_logp   = compute_logprobs(params, batch)              # anchor policy
   ref_logp   = compute_logprobs(ref_params, batch)          # only if kl_coef > 0
   state      = train_step(state, batch)                     # rlx.train, sharded
@@ -135,6 +136,8 @@ class Learner:
       train=self.train_step,
       batch_metrics=jax.jit(self.batch_metrics),
       offpolicy=jax.jit(offpolicy_metrics),
+      score_norms=self.compute_logprobs.score_norms,
+      vcpo_advantages=jax.jit(self.vcpo_advantages),
     )
 
   @property
@@ -223,9 +226,24 @@ class Learner:
     return state, {**metrics, **rollout_metrics}, batch
 
   def train_batch(self, batch: _batch.RolloutBatch) -> dict[str, jax.Array]:
-    """The train-step batch of a rewarded rollout batch: group advantages, kept rows. Pure."""
+    """The train-step batch of a rewarded rollout batch: group advantages, kept rows. Pure.
+
+    With `rl.baseline = "vcpo"` the advantages are zeros here: `update_fn`
+    sets them after the log-probs (`vcpo_advantages`).
+    """
+    if self.baseline == "vcpo":
+      ones = jnp.ones_like(batch.rewards, jnp.float32)
+      return _batch.train_batch(batch, 0.0 * ones, ones)
     adv, keep = _advantages.group_advantages(batch.rewards, self.group_size, self.baseline)
     return _batch.train_batch(batch, adv, keep)
+
+  def vcpo_advantages(
+    self, rewards: jax.Array, score_norms: jax.Array, current_logp: jax.Array, tb: dict
+  ) -> jax.Array:
+    """f32[B] advantages of `rl.baseline = "vcpo"` (`rlx.rl.vcpo_row_advantages`). Pure."""
+    return _advantages.vcpo_row_advantages(
+      rewards, score_norms, current_logp, tb["rollout_logp"], tb["loss_mask"], self.group_size
+    )
 
   def batch_metrics(self, batch: _batch.RolloutBatch) -> dict[str, jax.Array]:
     """Reward, length and group metrics of a rewarded rollout batch (device scalars). Pure."""
@@ -275,7 +293,14 @@ class Learner:
       tb,
       logprobs,
     )
-    offpolicy = self._offpolicy_metrics(state, tb, logprobs, pieces.offpolicy)
+    current = self._current_logp(state, tb, logprobs)
+    offpolicy = (
+      {} if current is None else pieces.offpolicy(current, tb["rollout_logp"], tb["loss_mask"])
+    )
+    if self.baseline == "vcpo":
+      norms = pieces.score_norms(state.params, tb)
+      rewards = pieces.place({"rewards": batch.rewards})["rewards"]
+      tb["advantages"] = pieces.vcpo_advantages(rewards, norms, current, tb)
     if self.uses_ref:
       tb["ref_logp"] = logprobs(ref_params, tb)
     tb = mark("logp", tb)
@@ -352,22 +377,19 @@ class Learner:
       metrics["time/refresh_s"] = refresh_s
     return state, metrics, batch
 
-  def _offpolicy_metrics(
-    self, state: train.TrainState, tb: dict, logprobs: Any, offpolicy: Any
-  ) -> dict[str, jax.Array]:
-    """`offpolicy_metrics` of the batch under `state.params`; {} for an on-policy run.
+  def _current_logp(self, state: train.TrainState, tb: dict, logprobs: Any) -> jax.Array | None:
+    """The batch's log-probs under `state.params`, for `offpolicy_metrics` and VCPO.
 
     Free when old_logp is the current policy's; otherwise (rl.old_logp =
-    behaviour or sampler at rl.staleness > 0, or ewma) one more log-prob pass.
+    behaviour or sampler at rl.staleness > 0, ewma, or the VCPO baseline) one
+    more log-prob pass; None for an on-policy run that needs none.
     """
     rl_cfg = self.config.rl
     if rl_cfg.old_logp == "current":
-      current = tb["old_logp"]
-    elif rl_cfg.staleness > 0 or rl_cfg.old_logp == "ewma":
-      current = logprobs(state.params, tb)
-    else:
-      return {}
-    return offpolicy(current, tb["rollout_logp"], tb["loss_mask"])
+      return tb["old_logp"]
+    if rl_cfg.staleness > 0 or rl_cfg.old_logp == "ewma" or self.baseline == "vcpo":
+      return logprobs(state.params, tb)
+    return None
 
   def _old_logp(
     self,
@@ -403,6 +425,9 @@ class UpdatePieces(NamedTuple):
     train: `(state, train batch) -> (state, metrics)`, the train step.
     batch_metrics: rewarded `RolloutBatch` -> metrics (`Learner.batch_metrics`).
     offpolicy: `offpolicy_metrics` (or its jit).
+    score_norms: `(params, train batch) -> f32[B]` per-row score-gradient
+      norms (`rlx.train.ComputeLogprobs.score_norms`), for `rl.baseline = "vcpo"`.
+    vcpo_advantages: `Learner.vcpo_advantages` (or its jit).
   """
 
   train_batch: Any
@@ -411,6 +436,8 @@ class UpdatePieces(NamedTuple):
   train: Any
   batch_metrics: Any
   offpolicy: Any
+  score_norms: Any
+  vcpo_advantages: Any
 
 
 def _host_floats(metrics: dict) -> dict[str, float]:
@@ -579,9 +606,11 @@ def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
     fp8 = _rollout.make_fp8_refresh(sampler)
   logprobs_fn = learner.compute_logprobs.logprobs_fn
 
-  def logprobs(params, tb):  # the pure function (no host checks, no nested jit)
-    inputs = {"tokens": tb["tokens"], "loss_mask": tb["loss_mask"]}
-    return jax.lax.stop_gradient(logprobs_fn(params, inputs))
+  def model_inputs(tb):
+    return {"tokens": tb["tokens"], "loss_mask": tb["loss_mask"]}
+
+  def logprobs(params, tb):  # the pure functions (no host checks, no nested jit)
+    return jax.lax.stop_gradient(logprobs_fn(params, model_inputs(tb)))
 
   pieces = UpdatePieces(
     train_batch=learner.train_batch,
@@ -590,6 +619,10 @@ def make_rl_step(learner: Learner, sampler: Any, *, fp8: Any = None) -> RLStep:
     train=learner.train_step.step_fn,
     batch_metrics=learner.batch_metrics,
     offpolicy=offpolicy_metrics,
+    score_norms=lambda params, tb: learner.compute_logprobs.score_norms_fn(
+      params, model_inputs(tb)
+    ),
+    vcpo_advantages=learner.vcpo_advantages,
   )
 
   def step(

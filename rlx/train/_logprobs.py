@@ -1,4 +1,7 @@
-"""`compute_logprobs`: the old / reference log-probs by the step's own forward."""
+"""`compute_logprobs`: the old / reference log-probs by the step's own forward.
+
+Its `score_norms` gives each row's score-gradient norm (VCPO's baseline weight).
+"""
 
 import dataclasses
 from collections.abc import Callable, Mapping
@@ -11,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from rlx import _memory, policy
-from rlx.train import _batch, _forward, _gather, _mesh, _placement, _spec, _state
+from rlx.train import _batch, _forward, _gather, _mesh, _placement, _rows, _spec, _state
 from rlx.train import _memory as _train_memory
 
 _INPUT_KEYS = ("tokens", "loss_mask", "positions", "segment_ids")
@@ -26,6 +29,10 @@ class ComputeLogprobs:
   [0, vocab)) on host, then dispatches one jitted, sharded function
   (`jitted`) without waiting for it. Inside another jitted function trace
   `logprobs_fn(params, batch)` instead (pure, no host checks).
+
+  `score_norms(state_or_params, batch) -> f32[B]` gives each row's
+  score-gradient norm `||grad_theta sum_s logp[b, s]||` with the same checks
+  (pure: `score_norms_fn`).
 
   Attributes:
     jitted: the jitted, sharded function `(params, inputs) -> logp`.
@@ -46,12 +53,31 @@ class ComputeLogprobs:
   model_config: Any
   micro_batches: int
   spec: _spec.StepSpec | None = None
+  score_norms_fn: Callable[[Any, Mapping[str, jax.Array]], jax.Array] | None = None
+  jitted_score_norms: Any = None
 
   def memory_advice(self, rows: int | None = None) -> tuple[str, ...]:
     """The settings that lower this program's device memory (B = `rows`), current values."""
     return _train_memory.compute_logprobs_advice(self.spec, self.mesh, rows)
 
   def __call__(self, params: Any, batch: Mapping[str, Any]) -> Float[Array, "B S"]:
+    return self._run(self.jitted, "compute_logprobs", params, batch)
+
+  def score_norms(self, params: Any, batch: Mapping[str, Any]) -> Float[Array, " B"]:
+    """Per-row score-gradient norms `||grad_theta sum_s logp[b, s]||_2`, f32[B].
+
+    The gradient of each row's sequence log-probability (the sum of its
+    `logp` over `loss_mask`, the same forward as `__call__`) with respect to
+    every parameter, its global L2 norm per row: the `||grad log
+    pi(tau_i)||` of VCPO's minimum-variance baseline
+    (`rlx.objectives.vcpo_baseline`). One backward pass per row, vectorised
+    over the rows of each of the `micro_batches` parts, so a part holds
+    `B / micro_batches` per-row gradients at once; a row with no loss tokens
+    gets 0.
+    """
+    return self._run(self.jitted_score_norms, "compute_logprobs.score_norms", params, batch)
+
+  def _run(self, jitted: Any, name: str, params: Any, batch: Mapping[str, Any]) -> jax.Array:
     if isinstance(params, _state.TrainState):
       params = params.params
     policy.check_params(params, self.model_config)
@@ -60,8 +86,8 @@ class ComputeLogprobs:
     _batch.check_values(batch, int(self.model_config.vocab_size))
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
     rows = int(inputs["tokens"].shape[0])
-    with _memory.explain_out_of_memory("compute_logprobs", lambda: self.memory_advice(rows)):
-      return self.jitted(params, _placement.place_batch(inputs, self.mesh))
+    with _memory.explain_out_of_memory(name, lambda: self.memory_advice(rows)):
+      return jitted(params, _placement.place_batch(inputs, self.mesh))
 
 
 def check_inputs(batch: Mapping[str, Any], parts: int) -> None:
@@ -104,24 +130,46 @@ def make_compute_logprobs(
   gather = _gather.fsdp_gather_fns(model_config, spec, mesh)
   parts = spec.micro_batches * _mesh.batch_axis_size(mesh)
 
-  def logprobs_fn(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+  def model_inputs(batch: Mapping[str, jax.Array]) -> dict:
     check_inputs(batch, parts)
     mask = batch["loss_mask"]
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
     inputs["loss_mask"] = mask if mask.dtype == jnp.bool_ else mask != 0
+    return inputs
+
+  def logprobs_fn(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+    inputs = model_inputs(batch)
     return _forward.microbatched_logprobs(params, inputs, model_config, spec, mesh, gather)
 
+  def score_norms_fn(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+    def sequence_logp(p, row):
+      logp, _ = _forward.batch_logprobs(p, row, model_config, spec, gather)
+      return jnp.sum(logp.astype(jnp.float32))
+
+    def row_norm(row):
+      grads = jax.grad(sequence_logp)(params, jax.tree.map(lambda x: x[None], row))
+      return jnp.sqrt(
+        sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+      )
+
+    def body(_, micro):
+      return None, jax.lax.stop_gradient(jax.vmap(row_norm)(micro))
+
+    inputs = model_inputs(batch)
+    _, norms = jax.lax.scan(body, None, _rows.split_rows(inputs, spec.micro_batches, mesh))
+    return _rows.merge_rows(norms)
+
   batch_sharding = NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))
-  jitted = jax.jit(
-    logprobs_fn,
-    in_shardings=(policy.param_shardings(model_config, mesh), batch_sharding),
-    out_shardings=batch_sharding,
-  )
+  in_shardings = (policy.param_shardings(model_config, mesh), batch_sharding)
   return ComputeLogprobs(
-    jitted=jitted,
+    jitted=jax.jit(logprobs_fn, in_shardings=in_shardings, out_shardings=batch_sharding),
     logprobs_fn=logprobs_fn,
     mesh=mesh,
     model_config=model_config,
     micro_batches=spec.micro_batches,
     spec=spec,
+    score_norms_fn=score_norms_fn,
+    jitted_score_norms=jax.jit(
+      score_norms_fn, in_shardings=in_shardings, out_shardings=batch_sharding
+    ),
   )

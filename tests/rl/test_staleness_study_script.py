@@ -35,6 +35,12 @@ def test_every_cell_is_a_valid_config_with_its_old_logp(study):
   m2po = study.METHODS["m2po_mask"]
   assert m2po["train.use_m2po"] and m2po["train.use_rollout_correction"]
   assert m2po["train.rollout_correction_kwargs.truncate"] is None  # M2PO's ratio to mu, whole
+  # VCPO = decoupled PPO plus its ESS step scaling and its minimum-variance baseline.
+  assert study.METHODS["vcpo"] == {
+    **study.METHODS["decoupled_ppo"],
+    "train.use_vcpo": True,
+    "rl.baseline": "vcpo",
+  }
 
 
 def _write(workdir, records):
@@ -91,5 +97,10 @@ def test_tables_pair_each_cell_with_its_own_staleness_zero(study):
   # No staleness-0 cell of its own; +5 and +20 points over ppo seed by seed.
   assert "| vespo | 4 | 2 | 0.675 (0.600..0.750) | - | +12.5 ± 10.6 (n=2) |" in table
   assert "| 1/2 |" in table
+  # Paired with another reference objective: ppo's row gains the column, vespo's loses it.
+  table = study.study_table(cells, reference="vespo")
+  assert "| vs vespo at this staleness, paired (points) |" in table
+  assert "| ppo | 4 | 2 | 0.550 (0.400..0.700) | -30.0 ± 28.3 (n=2) | -12.5 ± 10.6 (n=2) |" in table
+  assert "| vespo | 4 | 2 | 0.675 (0.600..0.750) | - | - |" in table
   summary = study.summary_table(cells, ["ppo"], [0, 4])
   assert "| ppo | 0.850 | 0.550 (1 collapsed) |" in summary

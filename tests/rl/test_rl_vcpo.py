@@ -1,0 +1,163 @@
+"""`rl.baseline = "vcpo"`: VCPO's minimum-variance baseline inside the loop, on 1, 2 and 8 devices.
+
+The update is re-derived independently: each response's score-gradient norm
+by its own `jax.grad` of the unsharded policy, the sequence IS weight and the
+baseline in NumPy from the formula of Huang et al. 2026
+(https://arxiv.org/abs/2602.17616), then one plain train step on those
+advantages must give the loop's params.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import rl_test_utils
+
+from rlx import policy, rl, tasks, train
+
+rl_test_utils.register_test_tasks()
+TASK = rl_test_utils.FIRST_TOKEN
+
+
+def test_vcpo_row_advantages_by_hand():
+  # Two groups of two; one token per row. Group 0: rewards 1, 0; score norms 1, 2;
+  # log-ratios 0 and ln 2 -> w = 1, 2 -> W = 1 * 1, 4 * 4 = 1, 16.
+  rewards = jnp.array([1.0, 0.0, 3.0, 1.0])
+  norms = jnp.array([1.0, 2.0, 1.0, 1.0])
+  current = jnp.array([[0.0], [np.log(2.0)], [0.0], [0.0]])
+  rollout = jnp.zeros((4, 1))
+  mask = jnp.ones((4, 1))
+  adv = np.asarray(rl.vcpo_row_advantages(rewards, norms, current, rollout, mask, 2))
+  b0 = (1 * 1.0 + 16 * 0.0) / (17 + 1e-8)  # group 0 baseline; reward std 0.5
+  b1 = (3.0 + 1.0) / (2 + 1e-8)  # equal weights: the mean; reward std 1
+  np.testing.assert_allclose(adv, [(1 - b0) / 0.5, (0 - b0) / 0.5, 3 - b1, 1 - b1], rtol=1e-5)
+  with pytest.raises(ValueError, match="multiple of group_size=3"):
+    rl.vcpo_row_advantages(rewards, norms, current, rollout, mask, 3)
+  with pytest.raises(ValueError, match="needs each row's score-gradient norm"):
+    rl.group_advantages(rewards, 2, "vcpo")
+
+
+def _config(devices: int, **overrides):
+  return rl_test_utils.tiny_config(
+    **{
+      "task.name": TASK,
+      "rl.baseline": "vcpo",
+      "rl.num_samples": 4,
+      "rl.prompts_per_iteration": 2,
+      "mesh.num_devices": devices,
+      **overrides,
+    }
+  )
+
+
+def _setup(config):
+  task = tasks.make_task(TASK, **config.task.kwargs.to_dict())
+  mesh = rl.build_mesh(config)
+  model_config, params = rl.build_model(config, task)
+  kwargs = rl.sampler_kwargs(config, task, rows=8, greedy=False)
+  sampler = rl.make_sampler(model_config, kwargs, mesh)
+  rollout = rl.SyncRollout(
+    sampler,
+    num_samples=4,
+    max_prompt_len=kwargs["max_prompt_len"],
+    max_new_tokens=kwargs["max_new_tokens"],
+  )
+  learner = rl.Learner(config, task, model_config, mesh)
+  return task, mesh, model_config, params, sampler, rollout, learner
+
+
+def _state(config, params, model_config, mesh):
+  cfg = rl.train_config(config)
+  return train.create_train_state(params, model_config, cfg, mesh, rng=jax.random.PRNGKey(1))
+
+
+def _expected_advantages(batch, params, model_config, temperature, group_size):
+  """NumPy VCPO advantages from per-row `jax.grad`s of the unsharded policy."""
+  tokens = np.asarray(batch.tokens)
+  mask = np.asarray(batch.response_mask, np.float32)
+
+  def sequence_logp(p, t, m):
+    logp, _ = policy.token_logprobs(p, model_config, t[None], m[None], temperature=temperature)
+    return jnp.sum(logp)
+
+  host_params = jax.tree.map(jnp.asarray, jax.device_get(params))
+  norms, current = [], []
+  for t, m in zip(tokens, mask, strict=True):
+    grads = jax.grad(sequence_logp)(host_params, jnp.asarray(t), jnp.asarray(m))
+    norms.append(
+      np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
+    )
+    logp, _ = policy.token_logprobs(
+      host_params, model_config, jnp.asarray(t)[None], jnp.asarray(m)[None], temperature=temperature
+    )
+    current.append(np.asarray(logp[0], np.float64))
+  log_w = np.sum((np.asarray(current) - np.asarray(batch.rollout_logp, np.float64)) * mask, axis=1)
+  weight = (np.exp(log_w) * np.asarray(norms)) ** 2
+  rewards = np.asarray(batch.rewards, np.float64).reshape(-1, group_size)
+  weight = weight.reshape(-1, group_size)
+  baseline = (weight * rewards).sum(1, keepdims=True) / (weight.sum(1, keepdims=True) + 1e-8)
+  std = rewards.std(1, keepdims=True)
+  adv = np.where(std > 1e-8, (rewards - baseline) / np.where(std > 0, std, 1), rewards - baseline)
+  return adv.reshape(-1), np.asarray(norms), np.exp(log_w)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_vcpo_update_equals_an_independent_derivation(devices):
+  config = _config(devices)
+  task, mesh, model_config, params, sampler, rollout, learner = _setup(config)
+  examples = list(task.split("train")[:2])
+  state0 = _state(config, params, model_config, mesh)
+  # A stale batch (sampled by other params), so the IS weights are not all 1.
+  behaviour = jax.tree.map(
+    lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(3), x.shape, x.dtype), state0.params
+  )
+  state, metrics, batch = learner.iteration(
+    state0,
+    None,
+    rollout,
+    examples,
+    jax.random.PRNGKey(7),
+    rollout_params=behaviour,
+    rollout_version=0,
+  )
+  assert 0 < metrics["reward_mean"] < 1, "the test needs mixed groups"
+  assert np.isfinite(metrics["offpolicy_ess"]) and metrics["offpolicy_ess"] < 1
+  temperature = float(learner.train_config.temperature)
+  adv, norms, w = _expected_advantages(batch, params, model_config, temperature, 4)
+  assert np.ptp(w) > 1e-3 and np.all(norms[np.asarray(batch.response_lengths) > 0] > 0)
+  # The loop's advantages differ from GRPO's here: the weighted baseline is not the mean.
+  grpo, _ = rl.group_advantages(batch.rewards, 4, "grpo")
+  assert np.max(np.abs(adv - np.asarray(grpo))) > 1e-3
+  # One plain train step on the re-derived advantages gives the loop's params.
+  tb = learner.train_batch(batch)
+  tb["advantages"] = jnp.asarray(adv, jnp.float32)
+  tb = train.shard_batch(tb, mesh)
+  fresh = _state(config, params, model_config, mesh)
+  tb["old_logp"] = learner.compute_logprobs(fresh, tb)
+  want, _ = learner.train_step(fresh, tb)
+  assert rl_test_utils.params_allclose(state.params, want.params, atol=2e-5)
+  assert not rl_test_utils.params_allclose(state.params, params, atol=1e-6)
+
+
+def test_vcpo_fused_step_equals_host_iteration():
+  config = _config(1)
+  task, mesh, model_config, params, sampler, rollout, learner = _setup(config)
+  examples = list(task.split("train")[:2])
+  rng = jax.random.PRNGKey(7)
+  host_state, host_metrics, _ = learner.iteration(
+    _state(config, params, model_config, mesh), None, rollout, examples, rng
+  )
+  assert 0 < host_metrics["reward_mean"] < 1
+  fused_state, fused_metrics = rl.make_rl_step(learner, sampler).from_examples(
+    _state(config, params, model_config, mesh), None, examples, rng
+  )
+  fused_metrics = train.to_host(fused_metrics)
+  for name in ("loss", "grad_norm", "offpolicy_ess"):
+    np.testing.assert_allclose(float(fused_metrics[name]), host_metrics[name], rtol=1e-5, atol=1e-6)
+  assert rl_test_utils.params_allclose(fused_state.params, host_state.params, atol=1e-6)
+
+
+def test_vcpo_config_rules():
+  with pytest.raises(ValueError, match=r"num_samples.*>= 2 for the 'vcpo' baseline"):
+    rl.validate_config(_config(1, **{"rl.num_samples": 1}))
+  rl.validate_config(_config(1, **{"rl.staleness": 4, "rl.old_logp": "sampler"}))
