@@ -8,6 +8,12 @@ Subpackages:
   rlx.train           mesh, train state, the sharded train step, checkpoints
   rlx.tasks           verifiable tasks and rewards (embedded arithmetic, GSM8K-format math)
   rlx.rl              the RL loop: rollout, rewards, advantages, train steps, checkpoints
+
+and, for checking that your own jitted functions do not recompile:
+  rlx.counted_jit     `jax.jit` that counts the programs it traces
 """
 
+from rlx._jit import counted_jit
+
+__all__ = ("counted_jit",)
 __version__ = "0.1.0"

@@ -1,4 +1,9 @@
-"""`counted_jit`: `jax.jit` that counts the programs it traces.
+"""`rlx.counted_jit`: `jax.jit` that counts the programs it traces.
+
+  counts = collections.Counter()
+  step = rlx.counted_jit(step_fn, counts, "step", donate_argnums=(0,))
+  ...                                  # calls, lowering
+  assert counts["step"] == 1           # one program: nothing recompiled
 
 `jax.jit(f)._cache_size()` reads the size of the function's C++ dispatch cache,
 which is not a count of compiles: JAX keeps those caches in one LRU over all jitted
@@ -26,6 +31,14 @@ def counted_jit(
   fun: Callable[..., Any], counts: collections.Counter, name: str, **jit_kwargs: Any
 ) -> Any:
   """`jax.jit(fun, **jit_kwargs)` that adds 1 to `counts[name]` each time it traces `fun`.
+
+  JAX traces once per new abstract signature (shapes, dtypes, static
+  arguments), and each trace is a program it compiles (or loads from the
+  persistent compilation cache), so the count is the programs built, however
+  many jitted functions the process holds (`jax.jit(f)._cache_size()` reads 0
+  once they overflow JAX's dispatch-cache LRU). Not counted: a compile without
+  a new trace (arguments of a traced signature committed to other devices, an
+  ahead-of-time `.lower(...).compile()` of a traced signature).
 
   Args:
     fun: the function to jit (its signature is kept, so `static_argnames` and

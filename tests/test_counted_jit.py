@@ -1,12 +1,20 @@
-"""`rlx._jit.counted_jit`: one count per traced program, the jitted function's signature kept."""
+"""`rlx.counted_jit`: one count per traced program, the jitted function's signature kept."""
 
 import collections
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx._jit import counted_jit
+import rlx
+from rlx import counted_jit
+
+
+def test_public_and_documented():
+  assert rlx.__all__ == ("counted_jit",)
+  assert list(inspect.signature(counted_jit).parameters) == ["fun", "counts", "name", "jit_kwargs"]
+  assert "counted_jit" in rlx.__doc__ and "Args:" in inspect.getdoc(counted_jit)
 
 
 def test_counts_one_trace_per_signature_and_keeps_jit_arguments():

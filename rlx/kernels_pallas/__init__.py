@@ -18,7 +18,17 @@ Dispatch: `impl="auto"` runs the Pallas kernel of the platform the inputs live o
 (XLA reference math on CPU); `arrays_platform(*arrays)` names that platform
 (`default_platform()` when no input is placed) and `resolve_impl(impl, interpret,
 platform)` the implementation a call takes, for callers that choose their own
-kernels the same way.
+kernels the same way. To export for a platform this host lacks (`jax.export`
+for TPU from a CPU host), trace under an abstract mesh of that platform's
+devices, which `default_platform()` then names:
+
+  device = jax.sharding.AbstractDevice("TPU v6 lite", None, "tpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*shape_dtype_structs)
+
+or shard the inputs over compile-only devices
+(`jax.experimental.topologies.get_topology_desc`).
 
 Every kernel runs on CPU in Pallas interpret mode (`interpret=True`, or
 `interpret=pltpu.InterpretParams()` for the TPU kernels); see tests/kernels_pallas.

@@ -43,8 +43,10 @@ def is_concrete(x) -> bool:
 def default_platform() -> str:
   """Platform that traced (placement-unknown) inputs run on.
 
-  The abstract mesh's device kind when tracing under a mesh context, else the
-  platform of `jax.default_device`, else `jax.default_backend()`.
+  The platform of the abstract mesh's device when tracing under a mesh context
+  (`jax.sharding.use_abstract_mesh`, e.g. of an `AbstractMesh` whose
+  `abstract_device` names a platform this host lacks, to export for it), else
+  the platform of `jax.default_device`, else `jax.default_backend()`.
   """
   mesh = jax.sharding.get_abstract_mesh()
   device = getattr(mesh, "abstract_device", None)

@@ -34,6 +34,10 @@ Compiled programs (e.g. to check that a call did not recompile):
   fp8_compile_counts()           # {"quantize_params": n, "calibrate_kv_scales": n}
   clear_compile_cache()          # next samplers compile afresh (cold-start benchmarks)
 
+The K/V cache a call left (its dtype, sharding, bytes, per-token FP8 scales):
+
+  pool = sampler.kv_pool()       # (k, v, k_scale, v_scale); the next call donates it
+
 The draw: `sample_uniforms(rng, prompt_index, sample_index, step)` is
 `key_uniforms(sample_keys(...))` fused, and `inverse_cdf(weights, u)` turns
 one uniform per row into a token.

@@ -37,6 +37,7 @@ from rlx._mesh_axes import BATCH_AXES
 from rlx.sampling._config import SamplerConfig
 from rlx.sampling._engine import (
   Knobs,
+  KVPool,
   PageState,
   SlotState,
   compile_key,
@@ -185,6 +186,23 @@ class Sampler:
     )
     return tuple(lines)
 
+  def kv_pool(self) -> KVPool | None:
+    """The K/V page pool on device, as the last `generate` / `generate_requests` call left it.
+
+    For inspecting the cache: its dtype, sharding and bytes, or the per-token
+    FP8 scales written. Rows that no sequence of that call wrote keep what
+    earlier calls wrote there (zeros, and scales 1, where none did). The next
+    call reuses (donates) these buffers, which deletes the arrays returned
+    here: copy what is to be kept first.
+
+    Returns:
+      None before the first call, and after a call that failed while running, else a
+      NamedTuple `(k, v, k_scale, v_scale)`: `k` and `v` `[L, Hkv, num_pages,
+      page_size, D]` in the page dtype, `k_scale` and `v_scale` float32 `[L,
+      Hkv, num_pages, page_size]` with kv_scale_mode "per_token", else None.
+    """
+    return self._pool
+
   # --------------------------------------------------------------------------------------
   # Compiled programs.
 
@@ -197,7 +215,7 @@ class Sampler:
     `shares_compiled_programs`). A call that compiles nothing new leaves them
     unchanged. Counted as the programs JAX traces (one per new abstract
     signature: shapes, dtypes, static values), which a long process keeps
-    counting where `jax.jit(...)._cache_size()` reads 0 (`rlx._jit`). Inputs
+    counting where `jax.jit(...)._cache_size()` reads 0 (`rlx.counted_jit`). Inputs
     of the same signature placed on other devices compile again without a
     new trace; that is not counted.
 

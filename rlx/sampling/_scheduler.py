@@ -180,6 +180,8 @@ class Scheduler:
       per generated token; `switch_version` changes it between windows).
 
   Attributes:
+    config: the `SamplerConfig` it was built with.
+    pages: the `PageManager`; `pages.state()` is the page state of the next window.
     slots: host `SlotState` (numpy) of the next window.
     stats: counters: decode_steps, syncs, preemptions, stopped_early (and the
       caller's prefill_calls, prefill_tokens).

@@ -9,47 +9,54 @@ not a sufficient, check; experiments/check_kernels.py is the hardware check.
 
 The public kernels are lowered as a host of that platform would trace them: the
 inputs are placement-free `jax.ShapeDtypeStruct`s, so the default platform decides
-(`rlx.kernels_pallas.default_platform`, pointed at the target platform here).
+(`rlx.kernels_pallas.default_platform`): traced under `jax.sharding.use_abstract_mesh` of an
+`AbstractMesh` whose `abstract_device` is of the target platform, as an AOT export from a
+CPU host would trace them.
 """
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from rlx.kernels_pallas import (
   PagedAttentionBlockSizes,
+  default_platform,
   fp8_blockwise_matmul,
   paged_attention,
 )
 
 _CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+_TARGET = {"cuda": "gpu", "tpu": "tpu"}  # jax.default_backend() spelling
+_KIND = {"cuda": "NVIDIA H100 80GB HBM3", "tpu": "TPU v6 lite"}
 _IMPL = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+
+
+def _target_mesh(platform):
+  """A one-device abstract mesh of `platform`'s devices: traced under it, placement-free inputs
+  run on that platform (`default_platform()` reads the abstract mesh's device)."""
+  device = AbstractDevice(_KIND[platform], None, _TARGET[platform])
+  return AbstractMesh((1,), ("x",), abstract_device=device)
 
 
 @pytest.fixture
 def platform_ready(request, monkeypatch):
   platform = request.param
-  # Placement-free inputs run on the default platform: the target's, as on its host.
-  target = {"cuda": "gpu", "tpu": "tpu"}[platform]
-  monkeypatch.setattr("rlx.kernels_pallas._common.default_platform", lambda: target)
   if platform == "tpu":
     # Mosaic lowering asks for the TPU generation; on CPU, declare a v6e. Private
     # API: skip rather than fail if a future jax moves it.
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
     if not hasattr(tpu_info, "registry") or not hasattr(tpu_info, "get_tpu_info_for_chip"):
       pytest.skip("tpu_info registry not available in this jax")
-    kind = jax.devices()[0].device_kind
-    old = tpu_info.registry.get(kind)
-    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(
-      tpu_info.ChipVersion.TPU_V6E, 1
+    monkeypatch.setitem(
+      tpu_info.registry,
+      jax.devices()[0].device_kind,
+      lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V6E, 1),
     )
-    yield platform
-    if old is None:
-      del tpu_info.registry[kind]
-    else:
-      tpu_info.registry[kind] = old
-  else:
+  # Placement-free inputs run on the default platform: the target's, as on its host.
+  with jax.sharding.use_abstract_mesh(_target_mesh(platform)):
+    assert default_platform() == _TARGET[platform]
     yield platform
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from rlx.kernels_pallas import (
   PagedAttentionBlockSizes,
@@ -28,10 +29,6 @@ from rlx.kernels_pallas import (
   resolve_impl,
   saturating_cast,
 )
-
-# Internal, spied on: the jitted kernel behind `paged_attention` sees which implementation a
-# call dispatched to (nothing public tells: every path returns the same values).
-from rlx.kernels_pallas import _paged_attention as kernel_module
 
 DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 GQA = (1, 4, 8)
@@ -451,32 +448,33 @@ def test_impl_resolution():
     resolve("cuda", False, "gpu")
 
 
-def test_dispatch_follows_where_the_arrays_live(monkeypatch):
-  # Pretend the default backend is a GPU: arrays placed on the CPU device must still take
-  # the XLA path (and off-hardware Pallas must still ask for interpret mode), because
-  # the computation runs where its inputs are, not on the default backend.
-  monkeypatch.setattr("rlx.kernels_pallas._common.default_platform", lambda: "gpu")
+def test_dispatch_follows_where_the_arrays_live():
+  # The default platform is a GPU (traced under an abstract mesh of GPU devices, as when
+  # exporting for a GPU from a CPU host): arrays placed on the CPU device must still take
+  # the XLA path (and off-hardware Pallas must still ask for interpret mode), because the
+  # computation runs where its inputs are, not on the default platform.
+  gpu = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100", None, "gpu"))
   cpu = jax.devices("cpu")[0]
   args = jax.device_put(make_inputs("float32", 4, 16, 64, seed=6)[:5], cpu)
-  assert arrays_platform(*args) == "cpu"
-  assert arrays_platform(np.zeros(3), None) == "gpu"  # nothing placed: default
-  calls = []
-  real_jit = kernel_module._paged_attention_jit
-
-  def spy(*a, impl, **kw):
-    calls.append(impl)
-    return real_jit(*a, impl=impl, **kw)
-
-  monkeypatch.setattr(kernel_module, "_paged_attention_jit", spy)
-  out = paged_attention(*args)
-  assert calls == ["xla"] and out.devices() == {cpu}
-  np.testing.assert_allclose(
-    np.asarray(out), np.asarray(paged_attention_reference(*args)), atol=1e-6
-  )
-  with pytest.raises(ValueError, match="on 'cpu' \\(not a GPU\\) needs interpret=True"):
-    paged_attention(*args, impl="pallas_gpu")
-  # Under jit (tracers carry no placement) the default platform decides.
-  assert jax.jit(lambda x: jnp.float32(arrays_platform(x) == "gpu"))(args[0]) == 1.0
+  with jax.sharding.use_abstract_mesh(gpu):
+    assert default_platform() == "gpu"
+    assert arrays_platform(*args) == "cpu"
+    assert arrays_platform(np.zeros(3), None) == "gpu"  # nothing placed: default
+    # The XLA path: the Pallas kernels (interpret=False) do not run on a CPU ("Only
+    # interpret mode is supported on CPU backend"), and the result is impl="xla"'s, bit
+    # for bit.
+    out = paged_attention(*args)
+    assert out.devices() == {cpu}
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_attention(*args, impl="xla")))
+    np.testing.assert_allclose(
+      np.asarray(out), np.asarray(paged_attention_reference(*args)), atol=1e-6
+    )
+    with pytest.raises(ValueError, match="on 'cpu' \\(not a GPU\\) needs interpret=True"):
+      paged_attention(*args, impl="pallas_gpu")
+    # Under jit (tracers carry no placement) the default platform decides: the GPU kernel.
+    assert jax.jit(lambda x: jnp.float32(arrays_platform(x) == "gpu"))(args[0]) == 1.0
+    assert "pallas_call" in str(jax.jit(paged_attention).trace(*args).jaxpr)
+  assert "pallas_call" not in str(jax.jit(paged_attention).trace(*args).jaxpr)  # CPU: XLA
 
 
 def test_default_platform_follows_default_device():

@@ -1,12 +1,13 @@
 """Per-token KV scales in the TPU (Pallas Mosaic) paged decode-attention kernel.
 
-`paged_attention_tpu(..., token_scales=(k_token, v_token))` is run in interpret
-mode (`pltpu.InterpretParams()`) against a dense float32 jnp computation of
+`paged_attention(..., impl="pallas_tpu")` with per-token scales `k_scale = scales[g, 0] *
+k_token` (V likewise, `[Hkv, P, page_size]`) is run in interpret mode
+(`pltpu.InterpretParams()`) against a dense float32 jnp computation of
 
   K[t] = k_pages[g, page, row] * scales[g, 0] * k_token[g, page, row]   (V likewise)
 
-and its Mosaic kernel (and the `token_scales=None` one) is compiled with the
-real TPU compiler for a compile-only v5e device when libtpu is importable
+and its Mosaic kernel (and the static-scale one) is compiled with the real TPU
+compiler for a compile-only v5e device when libtpu is importable
 (https://docs.jax.dev/en/latest/aot.html).
 """
 
@@ -28,7 +29,7 @@ import pytest  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from rlx.kernels_pallas._paged_attention_tpu import paged_attention_tpu  # noqa: E402
+from rlx.kernels_pallas import PagedAttentionBlockSizes, paged_attention  # noqa: E402
 
 NUM_SEQS = 4
 PAGES_PER_SEQUENCE = 3
@@ -93,9 +94,16 @@ def dense_reference(q, k_pages, v_pages, lengths, page_table, scales, token_scal
 
 
 def run_kernel(q, k_pages, v_pages, lengths, page_table, scales, token_scales, *, ppcb):
-  return paged_attention_tpu(
-    q, k_pages, v_pages, lengths, page_table, scales, sm_scale=1.0 / np.sqrt(q.shape[-1]),
-    pages_per_compute_block=ppcb, interpret=pltpu.InterpretParams(), token_scales=token_scales,
+  """The TPU kernel in interpret mode: per-token scales `scales[:, 0] * k_token` (V likewise),
+  or the static per-head scales `scales[:, 0]` / `scales[:, 1]` when `token_scales` is None."""
+  k_scale, v_scale = scales[:, 0], scales[:, 1]
+  if token_scales is not None:
+    k_token, v_token = token_scales
+    k_scale, v_scale = k_scale[:, None, None] * k_token, v_scale[:, None, None] * v_token
+  return paged_attention(
+    q, k_pages, v_pages, lengths, page_table, k_scale=k_scale, v_scale=v_scale,
+    sm_scale=1.0 / np.sqrt(q.shape[-1]), impl="pallas_tpu", interpret=pltpu.InterpretParams(),
+    block_sizes=PagedAttentionBlockSizes(pages_per_compute_block=ppcb),
   )  # fmt: skip
 
 
@@ -148,21 +156,27 @@ def test_garbage_past_length_never_reaches_output(ppcb):
 
 @pytest.mark.parametrize("total_pages", [16, 13])
 def test_no_token_scales_equals_all_ones(total_pages):
-  args = make_inputs("float8_e4m3fn", 4, 2, 8, 16, total_pages, seed=5)
-  k_token, v_token = args[-1]
+  # Per-head factors 1: static scales of ones vs per-token scales of ones run the kernel
+  # without and with token scales on the same numbers (P = 13: the ones padding too).
+  *args, (k_token, v_token) = make_inputs("float8_e4m3fn", 4, 2, 8, 16, total_pages, seed=5)
+  args[-1] = jnp.ones_like(args[-1])
   ones = (jnp.ones_like(k_token), jnp.ones_like(v_token))
-  plain = run_kernel(*args[:-1], None, ppcb=2)
-  with_ones = run_kernel(*args[:-1], ones, ppcb=2)
+  plain = run_kernel(*args, None, ppcb=2)
+  with_ones = run_kernel(*args, ones, ppcb=2)
   np.testing.assert_allclose(np.asarray(plain), np.asarray(with_ones), atol=1e-6, rtol=0)
 
 
 def test_token_scales_shape_is_checked():
-  args = make_inputs("float32", 2, 2, 8, 16, 16)
-  k_token, v_token = args[-1]
-  with pytest.raises(ValueError, match="k_token"):
-    run_kernel(*args[:-1], (k_token[:, :8], v_token), ppcb=1)
-  with pytest.raises(ValueError, match="pair"):
-    run_kernel(*args[:-1], (k_token,), ppcb=1)
+  q, k_pages, v_pages, lengths, table, scales, (k_token, v_token) = make_inputs(
+    "float32", 2, 2, 8, 16, 16
+  )
+  with pytest.raises(ValueError, match=r"`k_scale` must be .* \(2, 16, 8\) \(one per token\)"):
+    run_kernel(q, k_pages, v_pages, lengths, table, scales, (k_token[:, :8], v_token), ppcb=1)
+  with pytest.raises(ValueError, match="must both be static .* or both per-token"):
+    paged_attention(
+      q, k_pages, v_pages, lengths, table, k_scale=k_token, v_scale=scales[:, 1],
+      impl="pallas_tpu", interpret=pltpu.InterpretParams(),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,20 +205,25 @@ def test_mosaic_kernel_compiles_for_tpu(tpu_device, token_scales, total_pages, p
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
   pages = spec((num_kv_heads, total_pages, page_size, head_dim), jnp.float8_e4m3fn)
-  token = spec((num_kv_heads, total_pages, page_size), jnp.float32)
+  # Per-token scales [Hkv, P, page_size], or static per-head ones [Hkv].
+  scale = spec(
+    (num_kv_heads, total_pages, page_size) if token_scales else (num_kv_heads,), jnp.float32
+  )
   args = [
     spec((batch, num_heads, head_dim), jnp.bfloat16),
     pages,
     pages,
     spec((batch,), jnp.int32),
     spec((batch, pages_per_sequence), jnp.int32),
-    spec((num_kv_heads, 2), jnp.float32),
-  ] + ([token, token] if token_scales else [])
+    scale,
+    scale,
+  ]
 
-  def f(q, k_pages, v_pages, lengths, page_table, scales, *token):
-    return paged_attention_tpu(
-      q, k_pages, v_pages, lengths, page_table, scales, sm_scale=head_dim**-0.5,
-      pages_per_compute_block=ppcb, interpret=False, token_scales=tuple(token) or None,
+  def f(q, k_pages, v_pages, lengths, page_table, k_scale, v_scale):
+    return paged_attention(
+      q, k_pages, v_pages, lengths, page_table, k_scale=k_scale, v_scale=v_scale,
+      sm_scale=head_dim**-0.5, impl="pallas_tpu", interpret=False,
+      block_sizes=PagedAttentionBlockSizes(pages_per_compute_block=ppcb),
     )  # fmt: skip
 
   with jax.default_device(tpu_device):

@@ -1,7 +1,9 @@
 """Public surface of rlx.sampling, bad inputs (rejected before any work), the sampling math."""
 
+import ast
 import dataclasses
 import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from scipy import stats
 
-from rlx import _choices, _mesh_axes, kernels_pallas, policy, sampling
+from rlx import kernels_pallas, policy, sampling, train
 
 MODEL = policy.ModelConfig.small(
   "llama", vocab_size=32, hidden_size=32, intermediate_size=64, head_dim=8
@@ -104,15 +107,37 @@ def test_sampling_does_not_import_train():
   subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
+def _offered(call) -> tuple:
+  """The choices listed by the ValueError of `call` ("`name` must be one of (...), got ...")."""
+  with pytest.raises(ValueError, match="one of") as info:
+    call()
+  return ast.literal_eval(re.search(r"one of (\(.*\)), got", str(info.value)).group(1))
+
+
 def test_shared_names_have_one_source():
-  assert sampling.KV_DTYPES is _choices.KV_DTYPES
-  assert sampling.WEIGHT_DTYPES is _choices.WEIGHT_DTYPES
-  assert set(_choices.FP8_DTYPES) <= set(_choices.KV_DTYPES)
-  assert _mesh_axes.BATCH_AXES == _mesh_axes.MESH_AXES[:2]
-  assert kernels_pallas._common.ATTENTION_IMPLS is _choices.ATTENTION_IMPLS
-  assert not hasattr(kernels_pallas._common, "IMPLS")
-  with pytest.raises(ValueError, match="`attention_impl` must be one of"):
-    dataclasses.replace(CFG, attention_impl="cuda")
+  """The configs and kernels that check a named choice offer the same set."""
+  kv_dtypes = _offered(lambda: dataclasses.replace(CFG, kv_dtype="int8"))
+  assert kv_dtypes == ("auto", *sampling.KV_DTYPES)  # "auto": the model's compute dtype
+  assert _offered(lambda: dataclasses.replace(CFG, weight_dtype="fp8")) == sampling.WEIGHT_DTYPES
+  assert set(sampling.WEIGHT_DTYPES) - {"auto"} <= set(sampling.KV_DTYPES)  # the FP8 formats
+  impls = _offered(lambda: kernels_pallas.resolve_impl("cuda", False, "cpu"))
+  assert _offered(lambda: dataclasses.replace(CFG, attention_impl="cuda")) == impls
+  assert {"auto", "xla"} <= set(impls)
+  # The sampler splits its slots over the train mesh's batch axes.
+  assert train.BATCH_AXES == train.MESH_AXES[:2]
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1, 1), train.MESH_AXES)
+  with pytest.raises(ValueError, match=re.escape(f"batch axes {train.BATCH_AXES} (size 2)")):
+    sampling.Sampler(MODEL, dataclasses.replace(CFG, max_slots=3), mesh)
+
+
+def _fresh_sampler(model, config):
+  """A sampler whose device functions have traced nothing yet (its first call compiles)."""
+  sampler = sampling.Sampler(model, config)
+  if any(sampler.compile_counts().values()):  # an earlier sampler's functions: start afresh
+    sampling.clear_compile_cache()
+    sampler = sampling.Sampler(model, config)
+  assert not any(sampler.compile_counts().values())
+  return sampler
 
 
 @pytest.mark.parametrize(
@@ -136,12 +161,10 @@ def test_bad_config_is_named(overrides, match):
     dataclasses.replace(CFG, **overrides)
 
 
-def test_bad_inputs_fail_before_any_work(monkeypatch):
+def test_bad_inputs_fail_before_any_work():
   params = policy.init_params(MODEL, jax.random.key(0))
-  sampler = sampling.Sampler(MODEL, CFG)
-  calls = []
-  monkeypatch.setattr(sampler._engine, "decode", lambda *a, **k: calls.append(a))
-  monkeypatch.setattr(sampler._engine, "prefill", lambda *a, **k: calls.append(a))
+  # No prefill, decode or page copy may run: the first call of any of them traces (counted).
+  sampler = _fresh_sampler(MODEL, CFG)
   key = jax.random.key(0)
   cases = [
     (dict(prompts=[[1, 2], []]), "prompts\\[1\\]` is empty"),
@@ -163,7 +186,7 @@ def test_bad_inputs_fail_before_any_work(monkeypatch):
         kwargs["params"], kwargs["prompts"], num_samples=kwargs["num_samples"], rng=kwargs["rng"],
         kv_scales=kwargs.get("kv_scales"),
       )  # fmt: skip
-  assert not calls
+  assert sampler.compile_counts() == {"decode": 0, "prefill": 0, "copy_pages": 0}
   with pytest.raises(ValueError, match="stop_token_ids"):
     sampling.Sampler(MODEL, dataclasses.replace(CFG, stop_token_ids=(32,)))
   fp8 = sampling.Sampler(MODEL, dataclasses.replace(CFG, kv_dtype="fp8_e4m3"))
@@ -187,8 +210,15 @@ def test_fp8_kv_runs_close_to_float32():
   scales = (k_amax / 200.0, v_amax / 100.0)
   ref = sampling.Sampler(MODEL, dataclasses.replace(CFG, temperature=0.0))
   fp8 = sampling.Sampler(MODEL, dataclasses.replace(CFG, temperature=0.0, kv_dtype="fp8_e4m3"))
+  assert fp8.kv_pool() is None  # no call yet
   a = ref.generate(params, prompts, rng=jax.random.key(0))
   b = fp8.generate(params, prompts, rng=jax.random.key(0), kv_scales=scales)
+  # The pools the calls left: [L, Hkv, P, page, D] in the page dtype, no per-token scales.
+  shape = (MODEL.num_layers, MODEL.num_kv_heads, CFG.num_pages, CFG.page_size, MODEL.head_dim)
+  for sampler, dtype in ((ref, jnp.float32), (fp8, jnp.float8_e4m3fn)):
+    pool = sampler.kv_pool()
+    assert pool.k.shape == pool.v.shape == shape and pool.k.dtype == pool.v.dtype == dtype
+    assert pool.k_scale is None and pool.v_scale is None
   assert b.stats["pages_in_use_at_end"] == 0
   # FP8 KV perturbs the logits slightly; the first tokens (short contexts) agree.
   np.testing.assert_array_equal(a.tokens[:, :1], b.tokens[:, :1])

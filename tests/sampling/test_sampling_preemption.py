@@ -4,7 +4,8 @@ Every case compares against a reference the scheduling must not change: the
 same sampler config with a pool big enough that nothing is preempted (same
 rng, so the same tokens: a sample's keys depend only on (prompt, sample,
 position)), a row generated alone, or the trainer's teacher-forced log-probs.
-A wrapper around the engine's decode checks the page state going into and
+A wrapper around `rlx.sampling.scheduling.Scheduler.end_window` (which the sampler
+calls with each decode window's result) checks the page state going into and
 coming out of every decode window (no page free twice, none leaked, reference
 counts = slot references (running slots, and slots finished in the window,
 whose pages the host releases after it) + at most one prompt holder's) and
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 
 from rlx import policy, sampling
+from rlx.sampling import scheduling
 
 MODEL = policy.ModelConfig.small(
   "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8
@@ -89,24 +91,29 @@ def _check_pages(pages, slots, page_size: int, finished=None) -> int:
 
 
 class _PageAudit:
-  """Wraps `sampler._engine.decode`: checks every window's page state (`_check_pages`)."""
+  """Checks every decode window of `sampler`: the page state going in and coming out.
+
+  Wraps `Scheduler.end_window`, which the sampler calls with the window's result
+  (host arrays) while its scheduler still holds the window's input
+  (`Scheduler.pages.state()`, `Scheduler.slots`).
+  """
 
   def __init__(self, sampler, monkeypatch):
     self.page_size = sampler.config.page_size
     self.max_refcount = 0
     self.last = None
-    decode = sampler._engine.decode
+    end_window = scheduling.Scheduler.end_window
 
-    def audited(params, pool, pages, slots, *args, **kwargs):
-      self.max_refcount = max(self.max_refcount, _check_pages(pages, slots, self.page_size))
-      running = np.asarray(slots.active)
-      pool, pages, slots, info = decode(params, pool, pages, slots, *args, **kwargs)
-      finished = running & ~np.asarray(slots.active)
-      _check_pages(pages, slots, self.page_size, finished)
-      self.last = pages, slots, finished
-      return pool, pages, slots, info
+    def audited(sched, pages, slots, info):
+      if sched.config is sampler.config:  # a window of this sampler
+        state = sched.pages.state()
+        self.max_refcount = max(self.max_refcount, _check_pages(state, sched.slots, self.page_size))
+        finished = np.asarray(sched.slots.active) & ~np.asarray(slots.active)
+        _check_pages(pages, slots, self.page_size, finished)
+        self.last = pages, slots, finished
+      return end_window(sched, pages, slots, info)
 
-    monkeypatch.setattr(sampler._engine, "decode", audited)
+    monkeypatch.setattr(scheduling.Scheduler, "end_window", audited)
 
   def assert_pool_whole(self):
     """After generate: the last window's pages are free but those of its finished slots."""
@@ -255,12 +262,13 @@ def test_fp8_kv_with_preemption_and_stop_tokens(params, monkeypatch, kv_scale_mo
   ref = big.generate(params, PROMPTS, num_samples=2, rng=key, kv_scales=scales)
   audit = _PageAudit(small, monkeypatch)
   out = small.generate(params, PROMPTS, num_samples=2, rng=key, kv_scales=scales)
-  assert small._pool.k.dtype == jnp.float8_e4m3fn
+  pool = small.kv_pool()
+  assert pool.k.dtype == jnp.float8_e4m3fn
   per_token = kv_scale_mode == "per_token"
-  assert (small._pool.k_scale is not None) == per_token
+  assert (pool.k_scale is not None) == per_token
   if per_token:  # written scales differ from the initial ones
-    assert small._pool.k_scale.shape == small._pool.k.shape[:-1]
-    assert float(jnp.mean(small._pool.k_scale != 1.0)) > 0.5
+    assert pool.k_scale.shape == pool.k.shape[:-1]
+    assert float(jnp.mean(pool.k_scale != 1.0)) > 0.5
   assert out.stats["preemptions"] > 0 and ref.stats["preemptions"] == 0
   assert {"stop", "length"} <= set(out.finish_reason)
   _assert_same_rows(out, ref)

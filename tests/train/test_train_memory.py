@@ -4,10 +4,13 @@ XLA's RESOURCE_EXHAUSTED status (a compile-time HBM check, an allocation at run
 time) is raised by the jitted call; the train step, `compute_logprobs`, the
 sampler and the fused RL step re-raise it with the settings that lower their
 memory and their current values. Here the jitted function is replaced by one
-that raises XLA's error (a CPU has no HBM limit to hit); tests/tpu has the TPU
-compiler's own out-of-memory error on a compile-only slice.
+that raises XLA's error, or (the sampler) its program's compile raises it, from
+a `jax.monitoring` listener on the backend compile (a CPU has no HBM limit to
+hit); tests/tpu has the TPU compiler's own out-of-memory error on a
+compile-only slice.
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -84,13 +87,42 @@ def test_explain_out_of_memory_around_any_code():
   assert not train.is_out_of_memory(ValueError("RESOURCE_EXHAUSTED"))  # not XLA's
 
 
-def test_sampler_out_of_memory_lists_the_pool(monkeypatch):
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX's monitoring event
+
+
+@contextlib.contextmanager
+def _decode_compile_raises(sampler, message):
+  """XLA's error `message` from the backend compile of `sampler`'s decode window.
+
+  A `jax.monitoring` listener on JAX's backend-compile event raises it once the decode
+  window has traced (`compile_counts`): the compile that follows is the decode's.
+  """
+  traced = sampler.compile_counts()["decode"]
+
+  def listener(event, duration_secs, **kwargs):
+    del duration_secs, kwargs
+    if event == _BACKEND_COMPILE and sampler.compile_counts()["decode"] > traced:
+      raise jax.errors.JaxRuntimeError(message)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_sampler_out_of_memory_lists_the_pool():
   mc = tl.model_config()
   cfg = sampling.SamplerConfig(max_slots=4, num_pages=32, page_size=4, max_new_tokens=4)
   sampler = sampling.Sampler(mc, cfg)
+  if sampler.compile_counts()["decode"]:  # an earlier sampler's programs: compile afresh
+    sampling.clear_compile_cache()
+    sampler = sampling.Sampler(mc, cfg)
   params = policy.init_params(mc, jax.random.PRNGKey(0))
-  monkeypatch.setattr(sampler._engine, "decode", _raises(OOM))
-  with pytest.raises(train.OutOfMemoryError, match="the sampler's decode does not fit") as info:
+  with (
+    _decode_compile_raises(sampler, OOM),
+    pytest.raises(train.OutOfMemoryError, match="the sampler's decode does not fit") as info,
+  ):
     sampler.generate(params, [[1, 2, 3]], rng=jax.random.key(0))
   message = str(info.value)
   pool = 2 * mc.num_layers * mc.num_kv_heads * 32 * 4 * mc.head_dim * 4  # float32 pages
