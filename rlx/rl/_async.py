@@ -58,6 +58,15 @@ and it carries the partial-rollout buffer after it, which the learner's
 checkpoint saves with the cursor (`consumed_buffer`): a resumed run re-pulls
 and re-generates what was queued or in flight, so no group is lost or
 trained twice.
+
+FP8 rollout (the sampler's FP8 `weight_dtype` / `kv_dtype`) runs on the
+rollout side, in the thread: the engine's `Fp8Refresh` quantizes each
+version's params when the thread takes them (in flight too, with partial
+rollouts), and with static FP8 KV scales the thread recalibrates them, from
+the new version's forward over the last batch it collected, before the first
+collection with a newer version (`rlx.sampling.calibrate_kv_scales`). The
+learner never touches them, so nothing races; a collection keeps the scales
+it started with (its cached K/V were written with them).
 """
 
 import dataclasses
@@ -146,6 +155,10 @@ class AsyncRollout:
     self._error: BaseException | None = None
     self._thread: threading.Thread | None = None
     self.busy_s = 0.0  # the thread's seconds collecting (its idle time is the rest)
+    # FP8 KV scales: the version they were last calibrated with, and the recalibrations.
+    self._scales_version: int | None = None
+    self._last_batch: _batch.RolloutBatch | None = None
+    self.kv_refreshes = 0
 
   def publish(self, params: Any, version: int) -> None:
     """Makes `params` (policy version `version`) the ones the next collections sample with.
@@ -165,6 +178,7 @@ class AsyncRollout:
     """Starts the thread (after the first `publish`)."""
     if self._latest is None:
       raise ValueError("`publish` the first params before `start`.")
+    self._scales_version = self._latest[1]  # the scales the caller calibrated (or restored)
     self._thread = threading.Thread(target=self._run, name="rlx-rollout", daemon=True)
     self._thread.start()
 
@@ -199,17 +213,31 @@ class AsyncRollout:
     examples = [self.source.examples[int(k)] for k in keys]
     return batch, examples, int(self.rollout.last_stats["policy_version"])
 
+  def _recalibrate(self, params: Any, version: int) -> None:
+    """Static FP8 KV scales from `params` over the last collected batch, once per new version."""
+    fp8 = getattr(self.rollout, "fp8", None)
+    if fp8 is None or not fp8.kv_fp8 or self._last_batch is None:
+      return
+    if version == self._scales_version:
+      return
+    batch = self._last_batch
+    fp8.calibrate(params, batch.tokens, batch.prompt_mask | batch.response_mask)
+    self._scales_version = version
+    self.kv_refreshes += 1
+
   def _run(self) -> None:
     try:
       while not self._stop.is_set():
         with self._lock:
           params, version = self._latest
         t0 = time.perf_counter()
+        self._recalibrate(params, version)
         index = self._next_index
         batch, examples, version = self._collect(
           params, version, jax.random.fold_in(self.key, index)
         )
         jax.block_until_ready(batch.tokens)
+        self._last_batch = batch
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
         self._next_index += 1

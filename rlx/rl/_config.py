@@ -284,6 +284,9 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # weights behaviour -> proximal with the sampler's rollout_logp. With
   # rollout.over_provision > 1 (partial rollouts) the weights are updated in
   # flight: samples being generated continue with each newly published version.
+  # FP8 rollout is quantized, and its static KV scales recalibrated, by the
+  # rollout thread whenever it takes a newer version (async/kv_refreshes).
+  # Not with rl.staleness (the lag is the thread's) or rl.old_logp = "behaviour".
   c.rl.async_rollout = False
   c.rl.async_queue_size = 1
   # The most optimizer updates a batch may lag at its first update under
@@ -466,9 +469,6 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
     "`config.rl.old_logp` = 'behaviour' (the sampling params are on the rollout side)": (
       rl.old_logp == "behaviour"
     ),
-    "FP8 rollout (`config.rollout.weight_dtype` / `kv_dtype`; its refresh would race the "
-    "rollout thread)": config.rollout.weight_dtype in _choices.FP8_DTYPES
-    or config.rollout.kv_dtype in _choices.FP8_DTYPES,
   }
   for what, bad in unsupported.items():
     if bad:

@@ -323,6 +323,7 @@ class RolloutDriver:
         "async/prompts": [self._index(e) for e in item.examples],
         "async/queue_size": self.async_rollout.queue.qsize(),
         "async/rollout_busy_s": self.async_rollout.busy_s,
+        "async/kv_refreshes": self.async_rollout.kv_refreshes,
         **{f"async/{k}": v for k, v in counts.items()},
       }
     )

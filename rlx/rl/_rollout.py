@@ -407,6 +407,16 @@ class SyncRollout(_Fp8Rollout):
     )
 
 
+def _quantized_updates(params_update: Any, fp8: Fp8Refresh) -> Any:
+  """`params_update` whose new params come back as the FP8 rollout params (`fp8.rollout_params`)."""
+
+  def update() -> tuple[Any, int] | None:
+    new = params_update()
+    return None if new is None else (fp8.rollout_params(new[0]), new[1])
+
+  return update
+
+
 def _spread(values: jax.Array, prompt_lengths: jax.Array, width: int, fill: int) -> jax.Array:
   """Per-response-token values [B, T] laid out on the batch's [B, width] sequence positions."""
   b, t = values.shape
@@ -479,15 +489,17 @@ class PartialRollout(_Fp8Rollout):
     With FP8 KV the scales must be calibrated first (`fp8.calibrate_prompts`
     or `fp8.refresh`): the prompts are pulled inside the collection.
     `params_update` (`f() -> None | (params, version)`) updates the weights in
-    flight (`rlx.sampling.RolloutEngine.collect`); not with FP8 rollout, whose
-    params are quantized once per collection.
+    flight (`rlx.sampling.RolloutEngine.collect`). With FP8 rollout each
+    update's params are quantized as they arrive (`fp8.rollout_params`); the
+    static KV scales stay the collection's, since the K/V already cached was
+    written with them (`fp8.refresh` recalibrates between collections).
     """
     kwargs = {}
     if self.fp8 is not None:
-      if params_update is not None:
-        raise ValueError("In-flight weight updates (`params_update`) do not support FP8 rollout.")
       kwargs = self.fp8.generate_kwargs()
       params = self.fp8.rollout_params(params)
+      if params_update is not None:
+        params_update = _quantized_updates(params_update, self.fp8)
     out = self.engine.collect(
       params,
       source,

@@ -138,7 +138,6 @@ def test_a_failing_rollout_thread_fails_the_learner():
     ({"mesh.rollout_devices": 1}, "rl.async_rollout = True"),
     ({"rl.async_rollout": True, "rl.staleness": 1}, "controlled staleness"),
     ({"rl.async_rollout": True, "rl.old_logp": "behaviour"}, "'behaviour'"),
-    ({"rl.async_rollout": True, "rollout.kv_dtype": "fp8_e4m3"}, "FP8 rollout"),
     ({"rl.async_rollout": True, "rl.async_queue_size": 0}, "config.rl.async_queue_size"),
     ({"rl.async_rollout": True, "rl.max_staleness": -1}, "config.rl.max_staleness"),
     ({"rl.async_rollout": True, "rl.stale_batches": "skip"}, "config.rl.stale_batches"),
