@@ -261,7 +261,7 @@ def test_per_token_kv_scales_in_the_loop_need_no_calibration_and_fuse(tmp_path):
     for name in ("reward_mean", "loss", "mismatch_k1", "mismatch_k3"):
       np.testing.assert_allclose(fused_metrics[name], host_metrics[name], rtol=1e-4, atol=1e-6)
     assert host_metrics["mismatch_k3"] > 0
-  assert sampler._pool.k_scale is not None
+  assert sampler.kv_pool().k_scale is not None
 
   run = rl_test_utils.run_config(
     **FP8,

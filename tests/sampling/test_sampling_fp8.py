@@ -133,9 +133,9 @@ def test_kv_bytes_greedy_agreement_and_mismatch(params, samplers):
   b = fp8.generate(params, PROMPTS, rng=key, kv_scales=scales)
   # KV bytes per token from the pool arrays.
   capacity = HIGH.num_pages * HIGH.page_size
-  per_token = [(s._pool.k.nbytes + s._pool.v.nbytes) / capacity for s in (high, fp8)]
+  per_token = [(s.kv_pool().k.nbytes + s.kv_pool().v.nbytes) / capacity for s in (high, fp8)]
   assert per_token[1] / per_token[0] <= 0.52
-  assert fp8._pool.k.dtype == jnp.float8_e4m3fn
+  assert fp8.kv_pool().k.dtype == jnp.float8_e4m3fn
   # Greedy agreement.
   first = float(np.mean(a.tokens[:, 0] == b.tokens[:, 0]))
   diff = a.tokens != b.tokens
@@ -238,7 +238,7 @@ def test_per_token_kv_logprobs_equal_a_forward_over_per_token_rounded_kv(params)
   )
   sampler = sampling.Sampler(MODEL, cfg)
   out = sampler.generate(params, PROMPTS, num_samples=2, rng=jax.random.key(2))
-  pool = sampler._pool
+  pool = sampler.kv_pool()
   assert pool.k_scale.shape == pool.k.shape[:-1] and pool.k_scale.dtype == jnp.float32
 
   def rounded(x):

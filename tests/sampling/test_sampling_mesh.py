@@ -92,5 +92,5 @@ def test_per_token_fp8_kv_on_meshes_equals_one_device(devices, axes):
   np.testing.assert_array_equal(out.tokens, single.tokens)
   np.testing.assert_allclose(out.logprobs, single.logprobs, atol=1e-5)
   assert out.stats["preemptions"] == single.stats["preemptions"] > 0
-  pool = sampler._pool
+  pool = sampler.kv_pool()
   assert tuple(pool.k_scale.sharding.spec) == tuple(pool.k.sharding.spec)[:2]  # (None, tensor)

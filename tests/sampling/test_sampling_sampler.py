@@ -164,22 +164,27 @@ def test_prefill_width_follows_the_prompts(params):
   assert scheduling.prefill_widths(48) == (8, 16, 32, 48)
   assert scheduling.prefill_widths(4) == (4,)
   wide = sampling.Sampler(MODEL, dataclasses.replace(BASE, prefill_chunk=32))
-  widths = []
-  prefill = wide._engine.prefill
-  wide._engine.prefill = lambda p, pool, tokens, *a: (
-    widths.append(tokens.shape[1]) or prefill(p, pool, tokens, *a)
-  )
+  abstract = jax.eval_shape(lambda: params)
+
+  def ran_width(width):  # generate ran a (8 rows, width) call: tracing it builds no program
+    before = wide.compile_counts()["prefill"]
+    wide.trace_prefill(abstract, width=width)
+    return wide.compile_counts()["prefill"] == before
+
+  assert wide.compile_counts()["prefill"] == 0  # programs of this test only
+  # Three rows of 4 prefilled tokens: one program, (8 rows, 8 tokens).
+  wide.generate(params, [[1, 2, 3, 4, 5]] * 3, num_samples=1, rng=jax.random.key(0))
+  assert wide.compile_counts()["prefill"] == 1 and ran_width(8)
+  # Admissions prefill 4 / 11 / 1..3 tokens at most: one more program, 16 (the 12-token prompt).
   out = wide.generate(params, PROMPTS, num_samples=2, rng=jax.random.key(0))
+  assert wide.compile_counts()["prefill"] == 2 and ran_width(16)
+  assert wide.compile_counts()["prefill"] == 2 <= scheduling.prefill_compile_bound(wide.config)
   ref = sampling.Sampler(MODEL, BASE).generate(
     params, PROMPTS, num_samples=2, rng=jax.random.key(0)
   )
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
-  wide.generate(params, [[1, 2, 3, 4, 5]] * 3, num_samples=1, rng=jax.random.key(0))
-  # Admissions prefill 4 / 11 / 1..3 tokens at most (16 for the 12-token prompt), then 4 -> 8.
-  assert set(widths) == {8, 16} and widths[-1] == 8, widths
-  wide._engine.prefill = prefill  # the spy off: count the real function's programs
-  assert wide.compile_counts()["prefill"] == 2 <= scheduling.prefill_compile_bound(wide.config)
+  assert not ran_width(32)  # never the chunk's width: a new program
 
 
 def test_trace_prefill_is_the_program_generate_runs(params):
@@ -187,21 +192,20 @@ def test_trace_prefill_is_the_program_generate_runs(params):
   sampler = sampling.Sampler(MODEL, cfg)
   shape = (MODEL.num_layers, MODEL.num_kv_heads)
   ones = np.ones(shape, np.float32)
-  calls = []
-  prefill = sampler._engine.prefill
-  sampler._engine.prefill = lambda *a: calls.append(a) or prefill(*a)  # spy on the arguments
-  try:  # 8 rows of 9 prefilled tokens: calls (8 rows, 8 tokens), then (8 rows, 1 -> 8 tokens)
-    sampler.generate(params, [list(range(1, 11))] * 8, rng=jax.random.key(0), kv_scales=(ones,) * 2)
-  finally:
-    sampler._engine.prefill = prefill
-  avals = [(tuple(np.shape(x)), jnp.result_type(x)) for x in jax.tree.leaves(calls[0])]
+  assert sampler.compile_counts()["prefill"] == 0  # programs of this test only
+  # 8 rows of 9 prefilled tokens: calls (8 rows, 8 tokens), then (8 rows, 1 -> 8 tokens).
+  sampler.generate(params, [list(range(1, 11))] * 8, rng=jax.random.key(0), kv_scales=(ones,) * 2)
+  assert sampler.compile_counts()["prefill"] == 1
   scales = (jax.ShapeDtypeStruct(shape, jnp.float32),) * 2  # abstract scales are accepted
   abstract = jax.eval_shape(lambda: params)
   # Every slot admitted with a full chunk: the widest call, (8 rows, prefill_chunk tokens).
+  # Its abstract signature (shapes, dtypes, static arguments) is the program generate built:
+  # tracing it builds no new one.
   traced = sampler.trace_prefill(abstract, kv_scales=scales)
-  assert [(a.shape, a.dtype) for a in traced.jaxpr.in_avals] == avals
+  assert sampler.compile_counts()["prefill"] == 1
   assert traced.lower().compile().memory_analysis() is not None
   sampler.trace_decode(abstract, kv_scales=scales).lower()
+  assert sampler.compile_counts() == {"decode": 1, "prefill": 1, "copy_pages": 0}
   with pytest.raises(ValueError, match="`rows` must be one of the prefill row buckets"):
     sampler.trace_prefill(abstract, rows=4, kv_scales=scales)
   with pytest.raises(ValueError, match="`width` must be one of the prefill widths"):
