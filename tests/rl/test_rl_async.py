@@ -2,7 +2,6 @@
 staleness bound, and a killed run that resumes with no prompt lost or trained twice."""
 
 import os
-import threading
 import time
 import types
 
@@ -314,11 +313,18 @@ def test_published_params_are_copies_the_learner_may_donate():
   from rlx import policy
 
   shardings = policy.param_shardings(model_config, mesh)
-  pipe = rl.AsyncRollout(_FakeRollout(gate=threading.Semaphore(0)), _source(),
+  rollout = _FakeRollout()
+  pipe = rl.AsyncRollout(rollout, _source(),
                          place=lambda p: train.copy_to(p, shardings),
                          key=jax.random.PRNGKey(0), queue_size=1)  # fmt: skip
   pipe.publish(params, 0)
-  placed, _ = pipe._latest
+  pipe.start()
+  try:
+    pipe.get()  # the thread collected with what was published
+  finally:
+    pipe.stop()
+  placed, _, version = rollout.calls[0]
+  assert version == 0
   for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True):
     assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

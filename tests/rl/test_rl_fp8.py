@@ -225,7 +225,8 @@ def test_rollout_params_are_quantized_into_the_fp8_layout_on_the_mesh():
   )
   fp8.calibrate_prompts(sharded, [e.prompt_ids for e in task.split("train")[:2]], num_samples=4,
                         width=kwargs["max_prompt_len"] + kwargs["max_new_tokens"])  # fmt: skip
-  assert all(s.sharding.is_equivalent_to(fp8._replicated, 2) for s in fp8.kv_scales)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  assert all(s.sharding.is_equivalent_to(replicated, 2) for s in fp8.kv_scales)
 
 
 def test_per_token_kv_scales_in_the_loop_need_no_calibration_and_fuse(tmp_path):

@@ -127,7 +127,7 @@ def _requests(prompts, num_samples):
 
 
 def _run(config, requests, prompts, stop_when=None):
-  """The sampler's host loop (`Sampler._schedule`) over `_FakeEngine`."""
+  """The host loop of `Sampler.generate` over `_FakeEngine`."""
   eng = _FakeEngine(config)
   pages = PageManager(config.max_slots, config.pages_per_sequence, config.num_pages, PAGE)
   sched = Scheduler(config, requests, pages)
