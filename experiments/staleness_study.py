@@ -50,6 +50,9 @@ being trained):
                  by sqrt(min(1, ESS)) of the sequence weights pi_prox / mu
                  (train.use_vcpo), and the minimum-variance baseline, rewards
                  weighted by w^2 ||grad log pi_prox||^2 (rl.baseline = "vcpo").
+                 VCPO's recipes weight the loss by the sequence IS weight
+                 truncated at 8 instead; here decoupled_ppo's token weight
+                 (truncated at 2) stays, so the pair isolates VCPO's two parts.
 
 At staleness 0, mu = pi_prox and every row but ppo_ewma is its plain
 on-policy method.

@@ -215,8 +215,11 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # off-policy baseline (https://arxiv.org/abs/2602.17616), the group's rewards
   # weighted by w_i^2 ||grad log pi(tau_i)||^2 (sequence IS weight to the
   # sampler, score-gradient norm at the learner's params), over the group's
-  # reward std; costs one more backward pass per response each iteration
-  # (rlx.rl.vcpo_row_advantages).
+  # reward std (rlx.rl.vcpo_row_advantages). Costs one backward pass per
+  # response each iteration (plus a forward pass when rl.old_logp is not
+  # "current"), vectorised over B / train.micro_batches rows at once: each of
+  # those rows holds a full, gathered gradient on every device, so raise
+  # train.micro_batches for a big model.
   c.rl.baseline = "grpo"
   # Sampling temperature of the rollouts; also the train step's unless
   # train.temperature is set.

@@ -228,12 +228,12 @@ class Learner:
   def train_batch(self, batch: _batch.RolloutBatch) -> dict[str, jax.Array]:
     """The train-step batch of a rewarded rollout batch: group advantages, kept rows. Pure.
 
-    With `rl.baseline = "vcpo"` the advantages are zeros here: `update_fn`
-    sets them after the log-probs (`vcpo_advantages`).
+    With `rl.baseline = "vcpo"` the advantages are NaN here (the train step
+    refuses them): `update_fn` sets them after the log-probs (`vcpo_advantages`).
     """
     if self.baseline == "vcpo":
       ones = jnp.ones_like(batch.rewards, jnp.float32)
-      return _batch.train_batch(batch, 0.0 * ones, ones)
+      return _batch.train_batch(batch, jnp.nan * ones, ones)
     adv, keep = _advantages.group_advantages(batch.rewards, self.group_size, self.baseline)
     return _batch.train_batch(batch, adv, keep)
 

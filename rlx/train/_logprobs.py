@@ -71,13 +71,21 @@ class ComputeLogprobs:
     every parameter, its global L2 norm per row: the `||grad log
     pi(tau_i)||` of VCPO's minimum-variance baseline
     (`rlx.objectives.vcpo_baseline`). One backward pass per row, vectorised
-    over the rows of each of the `micro_batches` parts, so a part holds
-    `B / micro_batches` per-row gradients at once; a row with no loss tokens
-    gets 0.
+    over the rows of each of the `micro_batches` parts: every device holds
+    the full (FSDP-gathered) gradient of each of the `B / micro_batches /
+    (data x fsdp)` rows it computes at once, about twice the params' bytes
+    per row, so raise `micro_batches` for a big model. A row with no loss
+    tokens gets 0.
     """
-    return self._run(self.jitted_score_norms, "compute_logprobs.score_norms", params, batch)
+    extra = (
+      f"train.micro_batches = {self.micro_batches} (now): score_norms holds the full gradient "
+      "of every row of a micro-batch on its device at once; more micro-batches hold fewer",
+    )
+    return self._run(self.jitted_score_norms, "compute_logprobs.score_norms", params, batch, extra)
 
-  def _run(self, jitted: Any, name: str, params: Any, batch: Mapping[str, Any]) -> jax.Array:
+  def _run(
+    self, jitted: Any, name: str, params: Any, batch: Mapping[str, Any], extra: tuple = ()
+  ) -> jax.Array:
     if isinstance(params, _state.TrainState):
       params = params.params
     policy.check_params(params, self.model_config)
@@ -86,7 +94,7 @@ class ComputeLogprobs:
     _batch.check_values(batch, int(self.model_config.vocab_size))
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
     rows = int(inputs["tokens"].shape[0])
-    with _memory.explain_out_of_memory(name, lambda: self.memory_advice(rows)):
+    with _memory.explain_out_of_memory(name, lambda: extra + self.memory_advice(rows)):
       return jitted(params, _placement.place_batch(inputs, self.mesh))
 
 

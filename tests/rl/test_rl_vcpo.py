@@ -33,6 +33,32 @@ def test_vcpo_row_advantages_by_hand():
   np.testing.assert_allclose(adv, [(1 - b0) / 0.5, (0 - b0) / 0.5, 3 - b1, 1 - b1], rtol=1e-5)
   with pytest.raises(ValueError, match="multiple of group_size=3"):
     rl.vcpo_row_advantages(rewards, norms, current, rollout, mask, 3)
+  with pytest.raises(ValueError, match="`group_size` must be an int >= 1, got 0"):
+    rl.vcpo_row_advantages(rewards, norms, current, rollout, mask, 0)
+  with pytest.raises(ValueError, match=r"`current_logp` must be \[B, S\] with B = 4 rows"):
+    rl.vcpo_row_advantages(rewards, norms, current[:2], rollout, mask, 2)
+  with pytest.raises(ValueError, match=r"`score_norms` must be finite and >= 0; rows \[1\]"):
+    rl.vcpo_row_advantages(rewards, norms.at[1].set(-1.0), current, rollout, mask, 2)
+
+
+def test_vcpo_row_advantages_do_not_depend_on_the_weights_scale():
+  rng = np.random.default_rng(0)
+  rewards = jnp.asarray([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+  norms = jnp.asarray(rng.uniform(0.5, 2.0, 8), jnp.float32)
+  rollout = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+  mask = jnp.ones((8, 3))
+  adv = lambda n, c: np.asarray(rl.vcpo_row_advantages(rewards, n, c, rollout, mask, 4))  # noqa: E731
+  base = adv(norms, rollout + 0.1)
+  # Scaling every norm, or making every row equally less likely now, scales W alone.
+  np.testing.assert_allclose(adv(1e-5 * norms, rollout + 0.1), base, atol=1e-5)
+  np.testing.assert_allclose(adv(norms, rollout - 16.0 / 3), base, atol=1e-5)
+  # The all-correct group (rows 0-3) gets 0 however unlikely its rows became, never R / sigma.
+  np.testing.assert_array_equal(adv(norms, rollout - 16.0 / 3)[:4], 0.0)
+  # w = e^20 and a norm of 1e11 (W = e^40 * 1e22, past float32) stay finite and dominate.
+  big = adv(norms.at[4].set(1e11), rollout.at[4].add(20.0 / 3))
+  assert np.all(np.isfinite(big))
+  sigma = float(np.std(np.asarray(rewards[4:])))
+  np.testing.assert_allclose(big[4:], (np.asarray(rewards[4:]) - float(rewards[4])) / sigma)
   with pytest.raises(ValueError, match="needs each row's score-gradient norm"):
     rl.group_advantages(rewards, 2, "vcpo")
 
@@ -130,6 +156,7 @@ def test_vcpo_update_equals_an_independent_derivation(devices):
   assert np.max(np.abs(adv - np.asarray(grpo))) > 1e-3
   # One plain train step on the re-derived advantages gives the loop's params.
   tb = learner.train_batch(batch)
+  assert np.all(np.isnan(np.asarray(tb["advantages"])))  # set by the update, not here
   tb["advantages"] = jnp.asarray(adv, jnp.float32)
   tb = train.shard_batch(tb, mesh)
   fresh = _state(config, params, model_config, mesh)
