@@ -29,7 +29,8 @@ Warm-up: `supervised_warmup(...)` trains it; `warm_start(config, workdir, ...)` 
 
 FP8 rollout (config.rollout.weight_dtype / kv_dtype): SyncRollout over an FP8
 sampler holds an `Fp8Refresh` (`rollout.fp8`): the rollout params and KV
-scales, re-quantized / recalibrated by `Learner.iteration` after every update.
+scales, re-quantized / recalibrated by `Learner.iteration` after every update
+(with `AsyncRollout`, by the rollout thread when it takes a newer version).
 """
 
 from rlx.rl._advantages import (

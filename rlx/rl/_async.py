@@ -64,9 +64,13 @@ rollout side, in the thread: the engine's `Fp8Refresh` quantizes each
 version's params when the thread takes them (in flight too, with partial
 rollouts), and with static FP8 KV scales the thread recalibrates them, from
 the new version's forward over the last batch it collected, before the first
-collection with a newer version (`rlx.sampling.calibrate_kv_scales`). The
-learner never touches them, so nothing races; a collection keeps the scales
-it started with (its cached K/V were written with them).
+collection with a newer version (`rlx.sampling.calibrate_kv_scales`; its
+seconds are `kv_refresh_s`). The learner calibrates or restores the scales
+before `start` and afterwards only reads them (a checkpoint), so nothing
+races; a collection keeps the scales it started with (its cached K/V were
+written with them), in-flight versions included. Restored scales were
+calibrated with some older version: `start(scales_version=None)` has the
+thread recalibrate after its first collection.
 """
 
 import dataclasses
@@ -87,7 +91,7 @@ class Item:
 
   Attributes:
     index: the batch's number in the run's stream (its rng is `fold_in(key, index)`).
-    batch: the `RolloutBatch` (rewards unset), on the rollout mesh.
+    batch: the `RolloutBatch` (rewards unset).
     examples: the N task examples it answers.
     version: the policy version that sampled it.
     cursor: the prompt source's cursor after its prompts.
@@ -159,6 +163,7 @@ class AsyncRollout:
     self._scales_version: int | None = None
     self._last_batch: _batch.RolloutBatch | None = None
     self.kv_refreshes = 0
+    self.kv_refresh_s = 0.0
 
   def publish(self, params: Any, version: int) -> None:
     """Makes `params` (policy version `version`) the ones the next collections sample with.
@@ -174,11 +179,17 @@ class AsyncRollout:
     with self._lock:
       self._latest = (placed, int(version))
 
-  def start(self) -> None:
-    """Starts the thread (after the first `publish`)."""
+  def start(self, *, scales_version: int | None = -1) -> None:
+    """Starts the thread (after the first `publish`).
+
+    Args:
+      scales_version: the version the engine's static FP8 KV scales were
+        calibrated with: -1 (default) = the published one; None = unknown
+        (e.g. restored from a checkpoint): recalibrated after the first collection.
+    """
     if self._latest is None:
       raise ValueError("`publish` the first params before `start`.")
-    self._scales_version = self._latest[1]  # the scales the caller calibrated (or restored)
+    self._scales_version = self._latest[1] if scales_version == -1 else scales_version
     self._thread = threading.Thread(target=self._run, name="rlx-rollout", daemon=True)
     self._thread.start()
 
@@ -220,10 +231,13 @@ class AsyncRollout:
       return
     if version == self._scales_version:
       return
+    t0 = time.perf_counter()
     batch = self._last_batch
     fp8.calibrate(params, batch.tokens, batch.prompt_mask | batch.response_mask)
+    jax.block_until_ready(fp8.kv_scales)
     self._scales_version = version
     self.kv_refreshes += 1
+    self.kv_refresh_s += time.perf_counter() - t0
 
   def _run(self) -> None:
     try:

@@ -163,7 +163,8 @@ def _add_task_model_and_rollout(c: ml_collections.ConfigDict) -> None:
   # sampler vs the trainer's old_logp; plus staleness with partial rollouts),
   # and train.use_rollout_correction corrects it (e.g. token TIS). Each
   # refresh's cost is the metric time/refresh_s; in the fused rl_step the
-  # refresh runs inside the one compiled program (not timed separately).
+  # refresh runs inside the one compiled program (not timed separately). With
+  # rl.async_rollout the rollout thread refreshes instead (below).
   # (A config that still sets `sampler.kv_dtype` is read as this field.)
   c.rollout.kv_dtype = "float32"
   # How an FP8 KV cache is scaled: "static" = the calibrated per-layer, per-KV-head
@@ -287,8 +288,11 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # weights behaviour -> proximal with the sampler's rollout_logp. With
   # rollout.over_provision > 1 (partial rollouts) the weights are updated in
   # flight: samples being generated continue with each newly published version.
-  # FP8 rollout is quantized, and its static KV scales recalibrated, by the
-  # rollout thread whenever it takes a newer version (async/kv_refreshes).
+  # FP8 rollout runs in the rollout thread: each version's params are
+  # quantized as it takes them (in flight too), and the static KV scales are
+  # recalibrated before a collection that starts with a newer version, over
+  # its last batch (async/kv_refreshes, async/kv_refresh_s; the quantization
+  # is part of the rollout's time).
   # Not with rl.staleness (the lag is the thread's) or rl.old_logp = "behaviour".
   c.rl.async_rollout = False
   c.rl.async_queue_size = 1

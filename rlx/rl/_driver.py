@@ -20,7 +20,9 @@ One object behind the loop, whatever the rollout is:
 
 The loop only calls `iteration(state, ref_params, rng)` and checkpoints
 `state_dict()` (the partial-rollout buffer, the FP8 KV scales, the held
-versions, the proximal average and the data cursor live here, so a resumed run continues exactly).
+versions, the proximal average and the data cursor live here, so a resumed
+synchronous run continues exactly; an asynchronous one loses nothing and
+trains nothing twice).
 """
 
 import concurrent.futures
@@ -211,8 +213,11 @@ class RolloutDriver:
         queue_size=self.spec.async_queue_size,
         first_index=iteration,
       )
+      self.async_rollout.kv_refreshes = int(self._async_counts.get("kv_refreshes", 0))
       self.async_rollout.publish(state.params, self.learner.version(state))
-      self.async_rollout.start()
+      # Scales restored from a checkpoint were calibrated with an older version.
+      restored = fp8 is not None and fp8.kv_fp8 and bool(extra.get("kv_scales"))
+      self.async_rollout.start(scales_version=None if restored else -1)
     if self.fused and fp8 is not None:  # refreshed inside the fused program: time it standalone
       self.refresh_probe_s = fp8.time_refresh(
         state.params, self._first_prompts(), num_samples=self.k, width=self.width
@@ -315,6 +320,7 @@ class RolloutDriver:
     if self.proximal is not None:
       self.proximal.update(state.params)
     metrics.update(item.metrics)
+    counts["kv_refreshes"] = self.async_rollout.kv_refreshes  # checkpointed with the counts
     metrics.update(
       {
         "time/learner_wait_s": waited,
@@ -323,7 +329,7 @@ class RolloutDriver:
         "async/prompts": [self._index(e) for e in item.examples],
         "async/queue_size": self.async_rollout.queue.qsize(),
         "async/rollout_busy_s": self.async_rollout.busy_s,
-        "async/kv_refreshes": self.async_rollout.kv_refreshes,
+        "async/kv_refresh_s": self.async_rollout.kv_refresh_s,
         **{f"async/{k}": v for k, v in counts.items()},
       }
     )

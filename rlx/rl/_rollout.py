@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 
 from rlx._jit import counted_jit
+from rlx._mesh_axes import BATCH_AXES
 from rlx.rl import _batch, _config
 
 
@@ -137,6 +138,8 @@ class Fp8Refresh:
   trainer's own forward over a batch it already has (the rollout batch it
   just trained on; `rlx.sampling.calibrate_kv_scales`, vLLM's headroom).
   Params and scales are traced values of the sampler: nothing recompiles.
+  With asynchronous rollout (`rlx.rl.AsyncRollout`) the rollout thread does
+  both instead, when it takes a newer version.
 
   With per-token KV scales (`SamplerConfig.kv_scale_mode` "per_token") there
   is nothing to calibrate: the sampler scales each token as it writes it.
@@ -203,8 +206,20 @@ class Fp8Refresh:
     return self.params
 
   def calibrate(self, params: Any, tokens: Any, mask: Any) -> None:
-    """KV scales from the trainer's forward with `params` over tokens i32[B, S] where `mask`."""
+    """KV scales from the trainer's forward with `params` over tokens i32[B, S] where `mask`.
+
+    The forward runs on the mesh `params` live on (the learner's, or the
+    rollout side's with asynchronous rollout), its rows split over the mesh's
+    batch axes where they divide evenly (else replicated); the scales are then
+    placed on the sampler's mesh.
+    """
     if self.kv_fp8:
+      mesh = getattr(getattr(jax.tree.leaves(params)[0], "sharding", None), "mesh", None)
+      if isinstance(mesh, jax.sharding.Mesh) and set(BATCH_AXES) <= set(mesh.axis_names):
+        split = np.shape(tokens)[0] % math.prod(mesh.shape[a] for a in BATCH_AXES) == 0
+        spec = jax.sharding.PartitionSpec(BATCH_AXES if split else None)
+        where = jax.sharding.NamedSharding(mesh, spec)
+        tokens, mask = (jax.device_put(x, where) for x in (tokens, mask))
       self.kv_scales = self.place(self._calibrate(params, self.model_config, tokens, mask))
 
   def place(self, kv_scales: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
