@@ -102,21 +102,22 @@ def _expected_advantages(batch, params, model_config, temperature, group_size):
   tokens = np.asarray(batch.tokens)
   mask = np.asarray(batch.response_mask, np.float32)
 
-  def sequence_logp(p, t, m):
-    logp, _ = policy.token_logprobs(p, model_config, t[None], m[None], temperature=temperature)
-    return jnp.sum(logp)
+  @jax.jit
+  def row(p, t, m):  # the row's score-gradient norm and per-token log-probs, one program
+    def sequence_logp(q):
+      logp, _ = policy.token_logprobs(q, model_config, t[None], m[None], temperature=temperature)
+      return jnp.sum(logp), logp[0]
+
+    grads, logp = jax.grad(sequence_logp, has_aux=True)(p)
+    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    return jnp.sqrt(sq), logp
 
   host_params = jax.tree.map(jnp.asarray, jax.device_get(params))
   norms, current = [], []
   for t, m in zip(tokens, mask, strict=True):
-    grads = jax.grad(sequence_logp)(host_params, jnp.asarray(t), jnp.asarray(m))
-    norms.append(
-      np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
-    )
-    logp, _ = policy.token_logprobs(
-      host_params, model_config, jnp.asarray(t)[None], jnp.asarray(m)[None], temperature=temperature
-    )
-    current.append(np.asarray(logp[0], np.float64))
+    norm, logp = row(host_params, jnp.asarray(t), jnp.asarray(m))
+    norms.append(float(norm))
+    current.append(np.asarray(logp, np.float64))
   log_w = np.sum((np.asarray(current) - np.asarray(batch.rollout_logp, np.float64)) * mask, axis=1)
   weight = (np.exp(log_w) * np.asarray(norms)) ** 2
   rewards = np.asarray(batch.rewards, np.float64).reshape(-1, group_size)

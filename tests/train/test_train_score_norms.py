@@ -10,20 +10,20 @@ from rlx import policy, train
 
 
 def _direct_norms(batch: dict) -> np.ndarray:
-  """||grad sum_s logp[b, s]|| of each row, one unsharded `jax.grad` per row."""
+  """||grad sum_s logp[b, s]|| of each row, one unsharded `jax.grad` per row (one program)."""
   params = policy.init_params(tl.model_config(), jax.random.PRNGKey(0))
 
-  def sequence_logp(p, tokens, mask):
-    logp, _ = policy.token_logprobs(p, tl.model_config(), tokens[None], mask[None])
-    return jnp.sum(logp)
+  @jax.jit
+  def row_norm(p, tokens, mask):
+    def sequence_logp(q):
+      logp, _ = policy.token_logprobs(q, tl.model_config(), tokens[None], mask[None])
+      return jnp.sum(logp)
 
-  out = []
-  for tokens, mask in zip(batch["tokens"], batch["loss_mask"] != 0, strict=True):
-    grads = jax.grad(sequence_logp)(params, jnp.asarray(tokens), jnp.asarray(mask))
-    out.append(
-      np.sqrt(sum(float(jnp.sum(g.astype(jnp.float32) ** 2)) for g in jax.tree.leaves(grads)))
-    )
-  return np.asarray(out)
+    grads = jax.grad(sequence_logp)(p)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+
+  rows = zip(batch["tokens"], batch["loss_mask"] != 0, strict=True)
+  return np.asarray([float(row_norm(params, jnp.asarray(t), jnp.asarray(m))) for t, m in rows])
 
 
 @pytest.mark.parametrize(
