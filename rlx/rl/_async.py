@@ -98,6 +98,8 @@ class Item:
     rollout_s: the seconds its collection took.
     metrics: the rollout engine's `metrics()` of its collection ({} if it has none).
     buffer: with partial rollouts, the rollout buffer (`state_dict()`) after it; else None.
+    params: with `keep_params`, the params that sampled it (version `version`, on
+      the rollout side), for a learner that recomputes the behaviour log-probs; else None.
   """
 
   index: int
@@ -108,6 +110,7 @@ class Item:
   rollout_s: float
   metrics: dict = dataclasses.field(default_factory=dict)
   buffer: dict | None = None
+  params: Any = None
 
 
 class AsyncRollout:
@@ -123,6 +126,9 @@ class AsyncRollout:
     key: the rollout key; batch i is sampled with `jax.random.fold_in(key, i)`.
     queue_size: the most finished batches waiting for the learner (>= 1).
     first_index: the number of the first batch (the iterations already done on resume).
+    keep_params: each queued item carries the params that sampled it (`Item.params`;
+      up to queue_size + 2 versions stay alive on the rollout devices), e.g. for
+      `rl.old_logp = "behaviour"`. Not with a `PartialRollout`, whose batches mix versions.
   """
 
   def __init__(
@@ -134,9 +140,15 @@ class AsyncRollout:
     key: jax.Array,
     queue_size: int,
     first_index: int = 0,
+    keep_params: bool = False,
   ):
     if queue_size < 1:
       raise ValueError(f"`queue_size` must be >= 1, got {queue_size}.")
+    if keep_params and hasattr(rollout, "collect_groups"):
+      raise ValueError(
+        "`keep_params` needs one params version per batch; a PartialRollout's batches mix them."
+      )
+    self.keep_params = bool(keep_params)
     self.rollout = rollout
     self.source = source
     self.place = place
@@ -257,7 +269,10 @@ class AsyncRollout:
         self._next_index += 1
         counts = self.rollout.metrics() if hasattr(self.rollout, "metrics") else {}
         buffer = self.rollout.state_dict() if self.partial else None
-        item = Item(index, batch, examples, version, self.source.cursor, seconds, counts, buffer)
+        kept = params if self.keep_params else None
+        item = Item(
+          index, batch, examples, version, self.source.cursor, seconds, counts, buffer, kept
+        )
         while not self._stop.is_set():
           try:
             self.queue.put(item, timeout=0.05)

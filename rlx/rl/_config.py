@@ -293,7 +293,10 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # recalibrated before a collection that starts with a newer version, over
   # its last batch (async/kv_refreshes, async/kv_refresh_s; the quantization
   # is part of the rollout's time).
-  # Not with rl.staleness (the lag is the thread's) or rl.old_logp = "behaviour".
+  # With rl.old_logp = "behaviour" each queued batch keeps the params version
+  # that sampled it, copied back to the train mesh for its old_logp (not with
+  # partial rollouts, whose batches mix versions). Not with rl.staleness (the
+  # lag is the thread's).
   c.rl.async_rollout = False
   c.rl.async_queue_size = 1
   # The most optimizer updates a batch may lag at its first update under
@@ -473,9 +476,6 @@ def _check_async(config: ml_collections.ConfigDict) -> None:
     return
   unsupported = {
     "`config.rl.staleness` > 0 (controlled staleness)": rl.staleness > 0,
-    "`config.rl.old_logp` = 'behaviour' (the sampling params are on the rollout side)": (
-      rl.old_logp == "behaviour"
-    ),
   }
   for what, bad in unsupported.items():
     if bad:

@@ -212,6 +212,7 @@ class RolloutDriver:
         key=rollout_key,
         queue_size=self.spec.async_queue_size,
         first_index=iteration,
+        keep_params=self.spec.old_logp == "behaviour",
       )
       self.async_rollout.kv_refreshes = int(self._async_counts.get("kv_refreshes", 0))
       self.async_rollout.publish(state.params, self.learner.version(state))
@@ -312,9 +313,13 @@ class RolloutDriver:
         break
       counts["dropped_total"] += 1
     proximal = None if self.proximal is None else self.proximal.select(state.params)
+    behaviour = None  # rl.old_logp = "behaviour": the sampling version, back on the train mesh
+    if item.params is not None and item.version != version:
+      shardings = policy.param_shardings(learner.model_config, learner.mesh)
+      behaviour = train.copy_to(item.params, shardings)
     state, metrics, _ = learner.update(
       state, ref_params, item.batch, item.examples, proximal_params=proximal,
-      rollout_s=item.rollout_s,
+      behaviour_params=behaviour, rollout_s=item.rollout_s,
     )  # fmt: skip
     self.async_rollout.publish(state.params, learner.version(state))
     if self.proximal is not None:

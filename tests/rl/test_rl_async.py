@@ -136,7 +136,10 @@ def test_a_failing_rollout_thread_fails_the_learner():
   [
     ({"mesh.rollout_devices": 1}, "rl.async_rollout = True"),
     ({"rl.async_rollout": True, "rl.staleness": 1}, "controlled staleness"),
-    ({"rl.async_rollout": True, "rl.old_logp": "behaviour"}, "'behaviour'"),
+    (
+      {"rl.async_rollout": True, "rl.old_logp": "behaviour", "rollout.over_provision": 2.0},
+      "'behaviour' needs one params version per batch",
+    ),
     ({"rl.async_rollout": True, "rl.async_queue_size": 0}, "config.rl.async_queue_size"),
     ({"rl.async_rollout": True, "rl.max_staleness": -1}, "config.rl.max_staleness"),
     ({"rl.async_rollout": True, "rl.stale_batches": "skip"}, "config.rl.stale_batches"),
@@ -328,3 +331,36 @@ def test_published_params_are_copies_the_learner_may_donate():
   for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True):
     assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("old_logp", ["behaviour", "current"])
+def test_async_old_logp_behaviour_recomputes_with_the_sampling_version(tmp_path, old_logp):
+  """With rl.old_logp = "behaviour" a stale batch's old_logp is its sampling version's: the
+  trainer's log-probs then match the sampler's (mismatch ~ 0), unlike the learner's own."""
+  rl_test_utils.register_test_tasks()
+  config = _config(
+    **{
+      "rl.iterations": 5,
+      "mesh.num_devices": 2,
+      "mesh.rollout_devices": 1,
+      "rl.old_logp": old_logp,
+      "rl.async_queue_size": 2,
+    }
+  )
+  original = rl.Learner.update
+
+  def slow(self, *args, **kwargs):  # the thread runs ahead: the later batches are stale
+    time.sleep(0.3)
+    return original(self, *args, **kwargs)
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(rl.Learner, "update", slow)
+    rl.run(config, str(tmp_path / "run"))
+  records = _rl_records(str(tmp_path / "run"))
+  stale = [r for r in records if r["staleness_min"] > 0]
+  assert stale, [r["staleness_min"] for r in records]
+  k1 = [abs(r["mismatch_k1"]) for r in stale]
+  if old_logp == "behaviour":
+    assert max(k1) < 1e-5, k1
+  else:
+    assert min(k1) > 1e-4, k1
