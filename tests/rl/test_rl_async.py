@@ -333,16 +333,21 @@ def test_published_params_are_copies_the_learner_may_donate():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("old_logp", ["behaviour", "current"])
-def test_async_old_logp_behaviour_recomputes_with_the_sampling_version(tmp_path, old_logp):
+@pytest.mark.parametrize(
+  ("old_logp", "devices", "rollout_devices"),
+  [("behaviour", 1, 0), ("behaviour", 2, 1), ("behaviour", 8, 4), ("current", 2, 1)],
+)
+def test_async_old_logp_behaviour_recomputes_with_the_sampling_version(
+  tmp_path, old_logp, devices, rollout_devices
+):
   """With rl.old_logp = "behaviour" a stale batch's old_logp is its sampling version's: the
   trainer's log-probs then match the sampler's (mismatch ~ 0), unlike the learner's own."""
   rl_test_utils.register_test_tasks()
   config = _config(
     **{
       "rl.iterations": 5,
-      "mesh.num_devices": 2,
-      "mesh.rollout_devices": 1,
+      "mesh.num_devices": devices,
+      "mesh.rollout_devices": rollout_devices,
       "rl.old_logp": old_logp,
       "rl.async_queue_size": 2,
     }
