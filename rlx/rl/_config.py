@@ -71,6 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   _add_task_model_and_rollout(c)
   _add_train_and_rl(c)
+  _add_async(c)
   _add_warmup_eval_and_outputs(c)
   return c
 
@@ -278,6 +279,10 @@ def _add_train_and_rl(c: ml_collections.ConfigDict) -> None:
   # beta of rl.old_logp = "ewma", in (0, 1): params j iterations back weigh
   # beta^j (0.9: a centre of mass about 9 iterations back, rlx's choice).
   c.rl.ewma_decay = 0.9
+
+
+def _add_async(c: ml_collections.ConfigDict) -> None:
+  """`get_config`'s asynchronous-rollout fields (in `c.rl`)."""
   # Asynchronous rollout (rlx.rl.AsyncRollout; AReaL / PipelineRL): a thread
   # samples with the latest published params into a queue of at most
   # rl.async_queue_size batches while the learner trains, and the learner
