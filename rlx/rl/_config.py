@@ -401,6 +401,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       "(`config.rollout.over_provision` > 1) mix versions within a row. Use 'sampler' (the "
       "recorded per-token behaviour log-probs) or 'current'."
     )
+  if rl.old_logp == "sampler":
+    for name in ("use_rollout_correction", "use_m2po", "use_vcpo"):
+      if config.train.get(name) is True:
+        raise ValueError(
+          f"`config.train.{name}` compares old_logp with the sampler's rollout_logp, which "
+          "`config.rl.old_logp`='sampler' makes the same arrays: it would do nothing. Use "
+          "'current' (decoupled PPO: weight behaviour -> proximal) or 'behaviour'."
+        )
   _choice(config.warmup.on_cap, ("raise", "warn"), "config.warmup.on_cap")
   g = rl.num_samples
   if not isinstance(g, int) or g < 1:

@@ -38,6 +38,13 @@ def _experiment_config(name):
     ({"warmup.on_cap": "ignore"}, "config.warmup.on_cap"),
     ({"train.kl_kind": "k9"}, "config.train.kl_kind"),
     ({"checkpoint.every": 0}, "config.checkpoint.every"),
+    # Corrections of old_logp vs rollout_logp do nothing when old_logp IS rollout_logp.
+    (
+      {"rl.old_logp": "sampler", "train.use_rollout_correction": True},
+      "`config.train.use_rollout_correction` compares old_logp with the sampler's",
+    ),
+    ({"rl.old_logp": "sampler", "train.use_m2po": True}, "`config.train.use_m2po` compares"),
+    ({"rl.old_logp": "sampler", "train.use_vcpo": True}, "`config.train.use_vcpo` compares"),
   ],
 )
 def test_bad_config_raises(overrides, match):
