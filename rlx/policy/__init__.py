@@ -40,6 +40,10 @@ Per-layer parameter hook: `layer_params_fn(layer) -> layer` runs on each
 block's parameter slice inside the layer scan (rlx.train uses it to all-gather
 one FSDP-sharded layer at a time); its outputs are recomputed, not stored, for
 the backward pass (the block is rematerialised saving only matmul outputs).
+A hook with a keyword parameter `layer_index`, `layer_params_fn(layer, *,
+layer_index) -> layer`, also gets the block's index as an int32 scalar array
+(in the scan and with `unroll=True` alike), e.g. to tap each layer's gradient
+separately (`rlx.train.ComputeLogprobs.score_norms`).
 """
 
 from rlx.policy._checkpoint import (

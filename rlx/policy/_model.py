@@ -77,6 +77,7 @@ output or a dtype cast, would be saved in their place.)
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -732,7 +733,10 @@ def forward(
       block's parameter slice (the tree of `get_layer(params, i)`, leaves
       without the `[L]` axis) inside the layer scan, before the block runs;
       it must return the same tree structure and shapes (dtypes may differ:
-      outputs are cast to the compute dtype). Meant for per-layer FSDP
+      outputs are cast to the compute dtype). If it has a keyword parameter
+      named `layer_index` it is called as `f(layer, layer_index=i)` with the
+      block's index i, an int32 scalar array (traced: in the scan, and under
+      the block's `jax.checkpoint` with `unroll` too). Meant for per-layer FSDP
       gathering (`jax.lax.with_sharding_constraint`) or similar per-layer
       transforms. With it (and `config.remat` off) each block is
       rematerialised with `jax.checkpoint_policies.dots_saveable`, so its
@@ -758,14 +762,35 @@ def forward(
   return logits_from_hidden(params, config, hidden)
 
 
-def _layer_params_hook(layer_params_fn: LayerParamsFn, config: ModelConfig) -> LayerParamsFn:
-  """Wraps a user `layer_params_fn`: checks its output and casts it to the compute dtype."""
+def _takes_layer_index(layer_params_fn: LayerParamsFn) -> bool:
+  """Whether a `layer_params_fn` accepts a keyword parameter `layer_index`."""
+  try:
+    parameters = inspect.signature(layer_params_fn).parameters
+  except (TypeError, ValueError):  # no introspectable signature (some builtins)
+    return False
+  param = parameters.get("layer_index")
+  return param is not None and param.kind in (
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.KEYWORD_ONLY,
+  )
+
+
+def _layer_params_hook(
+  layer_params_fn: LayerParamsFn, config: ModelConfig
+) -> Callable[[Params, Int[Array, ""]], Params]:
+  """Wraps a user `layer_params_fn` as `hook(layer, index)`: checks its output, casts it.
+
+  The index is passed on as `layer_params_fn(layer, layer_index=index)` when
+  the function has a `layer_index` keyword parameter (looked up once here,
+  outside the traced block), else the call is `layer_params_fn(layer)`.
+  """
   if not callable(layer_params_fn):
     raise ValueError(f"`layer_params_fn` must be callable, got {type(layer_params_fn).__name__}.")
   dtype = jnp.dtype(config.compute_dtype)
+  takes_index = _takes_layer_index(layer_params_fn)
 
-  def hook(layer: Params) -> Params:
-    out = layer_params_fn(layer)
+  def hook(layer: Params, index: Int[Array, ""]) -> Params:
+    out = layer_params_fn(layer, layer_index=index) if takes_index else layer_params_fn(layer)
     want = jax.tree.structure(layer)
     if jax.tree.structure(out) != want:
       raise ValueError(
@@ -830,14 +855,17 @@ def layer_scan(
       the one it received.
     cache: the initial cache pytree (None: no cache).
     segment_ids: i32[B, S] or None, handed to `attention_fn`.
-    layer_params_fn: optional per-layer parameter hook, as in `forward`.
+    layer_params_fn: optional per-layer parameter hook, as in `forward`:
+      `f(layer) -> layer`, or `f(layer, *, layer_index) -> layer` (a keyword
+      parameter of that name, detected once by `inspect.signature`) to get
+      the block's index, the int32 scalar `attention_fn` gets.
     unroll: False: one `lax.scan` (one traced block, fast compiles; training).
       True: a Python loop over the static layer indices (L traced blocks; the
-      index handed to `attention_fn` is a constant int32 scalar). Each block
-      then reads static slices of the stacked weights, which XLA can hoist out
-      of an enclosing loop (e.g. the sampler's decode `while_loop`) instead of
-      copying every layer's weights out of the stack with dynamic slices on
-      every step. Same math either way. With unroll=True, `params["layers"]`
+      index handed to `attention_fn` and `layer_params_fn` is a constant int32
+      scalar). Each block then reads static slices of the stacked weights,
+      which XLA can hoist out of an enclosing loop (e.g. the sampler's decode
+      `while_loop`) instead of copying every layer's weights out of the stack
+      with dynamic slices on every step. Same math either way. With unroll=True, `params["layers"]`
       may also be a list of the L per-layer trees (e.g. sliced once before a
       decode loop, so the loop body reads them in place).
 
@@ -852,7 +880,7 @@ def layer_scan(
     x, cache = carry
     layer, index = inputs
     if hook is not None:
-      layer = hook(layer)
+      layer = hook(layer, index)
     q, k, v = layer_qkv(layer, config, x, positions)
     out, cache = attention_fn(index, q, k, v, cache, positions=positions, segment_ids=segment_ids)
     return (layer_finish(layer, config, x, out), cache), None

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from rlx import _memory, policy
 from rlx.train import _batch, _forward, _gather, _mesh, _placement, _rows, _spec, _state
@@ -71,15 +71,20 @@ class ComputeLogprobs:
     every parameter, its global L2 norm per row: the `||grad log
     pi(tau_i)||` of VCPO's minimum-variance baseline
     (`rlx.objectives.vcpo_baseline`). One backward pass per row, vectorised
-    over the rows of each of the `micro_batches` parts: every device holds
-    the full (FSDP-gathered) gradient of each of the `B / micro_batches /
-    (data x fsdp)` rows it computes at once, about twice the params' bytes
-    per row, so raise `micro_batches` for a big model. A row with no loss
-    tokens gets 0.
+    over the rows of each of the `micro_batches` parts, that never forms a
+    params-shaped gradient: each decoder layer's gradient is reduced to its
+    squared norm inside the layer scan (`row_score_norms`). So each of the
+    `B / micro_batches / (data x fsdp)` rows a device computes at once holds
+    the gradient of one (FSDP-gathered) layer at a time plus that of the
+    top-level params (the embedding / LM-head gradient [V, D] is dense per
+    row); raise `micro_batches` for a big model or vocabulary. A row with no
+    loss tokens gets 0.
     """
     extra = (
-      f"train.micro_batches = {self.micro_batches} (now): score_norms holds the full gradient "
-      "of every row of a micro-batch on its device at once; more micro-batches hold fewer",
+      f"train.micro_batches = {self.micro_batches} (now): score_norms holds, per row of a "
+      "micro-batch on its device, the gradient of one gathered decoder layer at a time plus "
+      "that of the embedding / final norm / LM head ([V, D] per row); more micro-batches hold "
+      "fewer rows",
     )
     return self._run(self.jitted_score_norms, "compute_logprobs.score_norms", params, batch, extra)
 
@@ -150,22 +155,7 @@ def make_compute_logprobs(
     return _forward.microbatched_logprobs(params, inputs, model_config, spec, mesh, gather)
 
   def score_norms_fn(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
-    def sequence_logp(p, row):
-      logp, _ = _forward.batch_logprobs(p, row, model_config, spec, gather)
-      return jnp.sum(logp.astype(jnp.float32))
-
-    def row_norm(row):
-      grads = jax.grad(sequence_logp)(params, jax.tree.map(lambda x: x[None], row))
-      return jnp.sqrt(
-        sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-      )
-
-    def body(_, micro):
-      return None, jax.lax.stop_gradient(jax.vmap(row_norm)(micro))
-
-    inputs = model_inputs(batch)
-    _, norms = jax.lax.scan(body, None, _rows.split_rows(inputs, spec.micro_batches, mesh))
-    return _rows.merge_rows(norms)
+    return row_score_norms(params, model_inputs(batch), model_config, spec, mesh, gather)
 
   batch_sharding = NamedSharding(mesh, PartitionSpec(_mesh.BATCH_AXES))
   in_shardings = (policy.param_shardings(model_config, mesh), batch_sharding)
@@ -181,3 +171,100 @@ def make_compute_logprobs(
       score_norms_fn, in_shardings=in_shardings, out_shardings=batch_sharding
     ),
   )
+
+
+@jax.custom_vjp
+def _tap(tree: Any, probe: Float[Array, ""]) -> Any:
+  """Identity on `tree`; the cotangent of `probe` is the squared norm of `tree`'s cotangent."""
+  del probe
+  return tree
+
+
+def _tap_fwd(tree: Any, probe: Float[Array, ""]) -> tuple[Any, None]:
+  del probe
+  return tree, None
+
+
+def _tap_bwd(_, cotangent: Any) -> tuple[None, Float[Array, ""]]:
+  # None: a zero cotangent for `tree` (never differentiated here, so nothing is built).
+  squares = [
+    jnp.sum(jnp.square(c.astype(jnp.float32)))
+    for c in jax.tree.leaves(cotangent)
+    if jnp.issubdtype(c.dtype, jnp.inexact)
+  ]
+  return None, sum(squares, jnp.zeros((), jnp.float32))
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+def _tapped_gather(
+  gather: _gather.FsdpGather, top_probe: Float[Array, ""], layer_probes: Float[Array, " L"]
+) -> _gather.FsdpGather:
+  """`gather`, then `_tap`: the top-level params with `top_probe`, layer i with `layer_probes[i]`.
+
+  The top-level params (embedding, final norm, LM head) are tapped once
+  before the forward, so a tied embedding's two uses add up before squaring.
+  """
+
+  def params_fn(params: Any) -> Any:
+    if gather.params_fn is not None:
+      params = gather.params_fn(params)
+    top = {k: v for k, v in params.items() if k != "layers"}
+    return dict(params, **_tap(top, top_probe))
+
+  def layer_params_fn(layer: Any, *, layer_index: Int[Array, ""]) -> Any:
+    if gather.layer_params_fn is not None:
+      layer = gather.layer_params_fn(layer)
+    return _tap(layer, layer_probes[layer_index])
+
+  return _gather.FsdpGather(params_fn, layer_params_fn)
+
+
+def row_score_norms(
+  params: Any,
+  inputs: Mapping[str, jax.Array],
+  model_config: Any,
+  spec: _spec.StepSpec,
+  mesh: Mesh,
+  gather: _gather.FsdpGather = _gather.NO_GATHER,
+) -> Float[Array, " B"]:
+  """`||grad_theta sum_s logp[b, s]||_2` of each row, one layer's gradient at a time.
+
+  The row's squared norm is summed from parts: the top-level params and each
+  decoder layer go through `_tap` (after their FSDP gather) with a zero
+  scalar probe, whose cotangent is the squared norm of that part's gradient,
+  and `jax.grad` is taken w.r.t. the probes only, so no params-shaped
+  gradient is ever accumulated: the backward pass holds one layer's weight
+  cotangent at a time (plus the top-level params', e.g. the dense [V, D]
+  embedding cotangent). Vectorised over the rows of each of the
+  `spec.micro_batches` row parts, which are scanned.
+
+  Args:
+    params: the params pytree.
+    inputs: the batch dict of `batch_logprobs` (`loss_mask` bool), [B, S] each.
+    model_config: the `rlx.policy.ModelConfig`.
+    spec: the resolved train config.
+    mesh: the mesh of the params and batch.
+    gather: the `FsdpGather` of the mesh.
+
+  Returns:
+    f32[B], 0 for a row without loss tokens.
+  """
+
+  def sequence_logp(probes, row):
+    logp, _ = _forward.batch_logprobs(
+      params, row, model_config, spec, _tapped_gather(gather, *probes)
+    )
+    return jnp.sum(logp.astype(jnp.float32))
+
+  def row_norm(row):
+    probes = (jnp.zeros((), jnp.float32), jnp.zeros((model_config.num_layers,), jnp.float32))
+    top, layers = jax.grad(sequence_logp)(probes, jax.tree.map(lambda x: x[None], row))
+    return jnp.sqrt(top + jnp.sum(layers))
+
+  def body(_, micro):
+    return None, jax.lax.stop_gradient(jax.vmap(row_norm)(micro))
+
+  _, norms = jax.lax.scan(body, None, _rows.split_rows(inputs, spec.micro_batches, mesh))
+  return _rows.merge_rows(norms)
