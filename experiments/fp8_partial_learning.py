@@ -126,7 +126,14 @@ VARIANTS = {
 
 
 # The static-KV-scale variant each per-token variant is paired with, seed by seed.
-STATIC_COUNTERPART = {"fp8tok_tis": "fp8_tis", "fp8tok_nocorr": "fp8_nocorr"}
+# Each variant's paired baseline (same seed) in the "points − counterpart's" column: the
+# static-KV-scale FP8 run for a per-token one, the synchronous run for a partial one.
+COUNTERPART = {
+  "fp8tok_tis": "fp8_tis",
+  "fp8tok_nocorr": "fp8_nocorr",
+  "partial": "sync_host",
+  "tail_partial": "tail_sync",
+}
 
 
 def _paired(stats: dict, variant: str, other: str) -> str:
@@ -390,8 +397,8 @@ def table(stats: dict) -> str:
     "## Mean over seeds",
     "",
     "| variant | seeds | test acc after (mean ± std) | points (mean ± std) | "
-    "points − hp's on the same seed (mean ± std) | points − static KV scales' on the same "
-    "seed | mismatch k3 | RL s/it |",
+    "points − hp's on the same seed (mean ± std) | points − the counterpart's on the same "
+    "seed (per-token vs static KV scales, partial vs synchronous) | mismatch k3 | RL s/it |",
     "|---|---|---|---|---|---|---|---|",
   ]
   for variant in VARIANTS:
@@ -402,10 +409,12 @@ def table(stats: dict) -> str:
     pts = 100 * (after - np.asarray([r["before"] for r in runs]))
     sd = (lambda x: f" ± {np.std(x, ddof=1):.1f}") if len(runs) > 1 else (lambda x: "")
     sda = f" ± {np.std(after, ddof=1):.3f}" if len(runs) > 1 else ""
-    static = STATIC_COUNTERPART.get(variant)
+    other = COUNTERPART.get(variant)
+    paired = _paired(stats, variant, other) if other else "-"
+    paired += f" vs {other}" if paired != "-" else ""
     lines.append(
       f"| {variant} | {len(runs)} | {after.mean():.3f}{sda} | {pts.mean():+.1f}{sd(pts)} | "
-      f"{_paired(stats, variant, 'hp')} | {_paired(stats, variant, static) if static else '-'} | "
+      f"{_paired(stats, variant, 'hp')} | {paired} | "
       f"{_fmt(_mean([r['k3'] for r in runs]), '.2e')} | "
       f"{_mean([r['s_per_it'] for r in runs]):.2f} |"
     )
@@ -413,7 +422,7 @@ def table(stats: dict) -> str:
   if rollout_rows:
     lines += [
       "",
-      "## Partial vs synchronous rollouts (host-driven, seed 0)",
+      "## Partial vs synchronous rollouts (host-driven)",
       "",
       "| variant | test acc after | RL time s | RL s/it | rollout s/it | train s/it | "
       "response length (mean) | stop fraction | groups recycled / collect | "

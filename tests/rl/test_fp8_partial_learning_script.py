@@ -72,6 +72,8 @@ def test_table_only_computes_the_phase_medians_and_the_comparison(tmp_path):
   # Medians per iteration: rollout, logp, train, iteration, rollout share, prefill, resumed.
   assert "| sync_host (seed 0) | 0.250 | 0.100 | 0.200 | 0.550 | 45% | - | - |" in table
   assert "| partial (seed 0) | 0.200 | 0.100 | 0.200 | 0.500 | 40% | 250 | 2.0 |" in table
+  # Partial runs are paired with the synchronous run of the same seed: 30 - 25 points.
+  assert "| +30.0 | - | +5.0 (n = 1) vs sync_host |" in table
   assert (
     "partial vs sync_host (seed 0): test accuracy after RL 0.800 vs 0.750; "
     "RL time 56 s vs 15 s (3.73x)"
@@ -96,5 +98,5 @@ def test_table_pairs_per_token_runs_with_their_static_counterparts(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   table = out.read_text()
   # fp8tok_tis - fp8_tis: +5.0 and +3.0 points -> +4.0 ± 1.4 (n = 2); vs hp: 0 and +3.
-  assert "| +1.5 ± 2.1 (n = 2) | +4.0 ± 1.4 (n = 2) |" in table
+  assert "| +1.5 ± 2.1 (n = 2) | +4.0 ± 1.4 (n = 2) vs fp8_tis |" in table
   assert "| fp8_tis | 2 | 0.825 ± 0.035 | +32.5 ± 3.5 | -2.5 ± 3.5 (n = 2) | - |" in table
