@@ -9,6 +9,9 @@ no chips), traced with abstract sharded params / state / batch
 
   train_step, compute_logprobs   `rlx.train.make_train_step` / `make_compute_logprobs`
                                  on `rl.train_config(config)`;
+  score_norms                    `ComputeLogprobs.score_norms` (each row's
+                                 score-gradient norm, VCPO's baseline,
+                                 `rl.baseline = "vcpo"`) on the same config;
   prefill, decode                the sampler's two jitted programs of a `generate`
                                  call (`rl.make_sampler(rl.sampler_kwargs(...))`,
                                  `Sampler.trace_prefill` (the widest call) /
@@ -60,6 +63,7 @@ weights a token multiplies through, LM head included):
   forward per token   2 N + 4 L H Dh C, C = positions attended (S for training)
   train step          (3 + remat) x forward, per token of each PPO epoch
   compute_logprobs    1 x forward
+  score_norms         3 x forward (one forward and backward per row, no update)
   decode step         slots per chip x forward at C = prompt + max_new / 2
   prefill call        B x W tokens per chip x forward at C = prompt / 2
   fp8 matmul          2 M K N per chip
@@ -69,7 +73,9 @@ Bytes per chip (HBM traffic lower bound; activations not counted): every pass
 (forward, backward, recomputed forward) of a micro-batch streams the gathered
 weights once (tensor = 1), each micro-batch reads and writes this chip's
 gradient shard, and each optimizer update reads params, gradient and optimizer
-state and writes params and optimizer state (this chip's shards). A decode step
+state and writes params and optimizer state (this chip's shards); score_norms
+streams the gathered weights twice per micro-batch (forward and backward) and
+writes no gradient. A decode step
 or prefill call streams the weights once (FP8 linears: 1 byte per weight) plus
 its slots' K/V: read over C positions (decode), written for the new tokens and
 read over (prompt - W) / 2 cached positions (prefill). XLA's `cost_analysis()`
@@ -102,9 +108,9 @@ fused rl_step needs one mesh and is left out:
     --models=qwen2.5-0.5b --programs=train_step,compute_logprobs,prefill,decode
 
 `--search` reports instead the largest size of each program that fits a chip, found
-by compiling (`search_largest`): the rows B of train_step, compute_logprobs and
-rl_step* (in multiples of mini x micro-batches x batch shards and of the group size),
-the page pool (num_pages, in multiples of 256) of the sampler's programs:
+by compiling (`search_largest`): the rows B of train_step, compute_logprobs,
+score_norms and rl_step* (in multiples of mini x micro-batches x batch shards and of
+the group size), the page pool (num_pages, in multiples of 256) of the sampler's programs:
 
   python experiments/compile_tpu.py --search --topologies=v5e:2x2,v5e:2x4 \
     --models=qwen2.5-0.5b --programs=train_step,prefill,decode
@@ -145,9 +151,9 @@ from rlx import kernels_pallas, policy, rl, sampling, tasks, train  # noqa: E402
 _CONFIG_PATH = pathlib.Path(__file__).resolve().parent / "configs" / "gsm8k_hf.py"
 
 PROGRAMS = (
-  "train_step", "compute_logprobs", "prefill", "decode", "prefill_fp8kv", "decode_fp8kv",
-  "prefill_fp8tok", "decode_fp8tok", "prefill_fp8", "decode_fp8", "fp8_matmul", "rl_step",
-  "rl_step_fp8",
+  "train_step", "compute_logprobs", "score_norms", "prefill", "decode", "prefill_fp8kv",
+  "decode_fp8kv", "prefill_fp8tok", "decode_fp8tok", "prefill_fp8", "decode_fp8", "fp8_matmul",
+  "rl_step", "rl_step_fp8",
 )  # fmt: skip
 # Sampler programs' rollout dtypes (`config.rollout.weight_dtype`, `config.rollout.kv_dtype`,
 # `config.rollout.kv_scale_mode`): the config's bf16 KV pages, FP8 KV pages (static or
@@ -263,7 +269,8 @@ def define_flags() -> None:
   flags.DEFINE_bool(
     "search",
     False,
-    "Instead of the table: the largest rows (train_step, compute_logprobs, rl_step*) or "
+    "Instead of the table: the largest rows (train_step, compute_logprobs, score_norms, "
+    "rl_step*) or "
     "page pool (prefill*, decode*) of each program that fits a chip, found by compiling.",
   )
   flags.DEFINE_integer("max_probes", 7, "--search: compiles per program x model x topology.")
@@ -357,6 +364,8 @@ def roofline(
   micro = int(cfg.micro_batches)
   if program == "compute_logprobs":
     return tokens * forward / chips, micro * params_full
+  if program == "score_norms":
+    return 3 * tokens * forward / chips, 2 * micro * params_full
   passes = 3 + int(mc.remat)
   epochs, updates = int(cfg.ppo_epochs), int(cfg.ppo_epochs) * int(cfg.mini_batches)
   params_shard, opt_shard = _per_chip_bytes(state.params), _per_chip_bytes(state.opt_state)
@@ -560,7 +569,7 @@ def build_programs(
   cfg = rl.train_config(config)  # what rlx.rl.run builds the train step from
   state = train.abstract_train_state(mc, cfg, mesh)
   tokens = load.rows * load.seq_len
-  if program in ("train_step", "compute_logprobs"):
+  if program in ("train_step", "compute_logprobs", "score_norms"):
     batch = _abstract_batch(mesh, program, load)
     flops, nbytes = roofline(program, mc, cfg, load, state)
     if program == "train_step":
@@ -570,7 +579,8 @@ def build_programs(
       advice = step.memory_advice(load.rows)
       return [Program(trace, flops, nbytes, tokens, donated, advice=advice)]
     logprobs = train.make_compute_logprobs(mc, cfg, mesh)
-    trace = lambda: logprobs.jitted.trace(state.params, batch)  # noqa: E731
+    jitted = logprobs.jitted_score_norms if program == "score_norms" else logprobs.jitted
+    trace = lambda: jitted.trace(state.params, batch)  # noqa: E731
     return [Program(trace, flops, nbytes, tokens, advice=logprobs.memory_advice(load.rows))]
   task = shapes_task(model, load)
   if program.startswith("rl_step"):
@@ -828,7 +838,7 @@ def smoke_setup(config: ml_collections.ConfigDict) -> tuple[ml_collections.Confi
 
 # Programs whose largest size that fits `--search` finds: the batch's rows (B) for the train
 # programs and the fused step, the K/V page pool (num_pages) for the sampler's.
-ROW_PROGRAMS = ("train_step", "compute_logprobs", "rl_step", "rl_step_fp8")
+ROW_PROGRAMS = ("train_step", "compute_logprobs", "score_norms", "rl_step", "rl_step_fp8")
 POOL_GRANULE = 256  # pages
 
 
