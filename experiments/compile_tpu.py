@@ -579,9 +579,12 @@ def build_programs(
       advice = step.memory_advice(load.rows)
       return [Program(trace, flops, nbytes, tokens, donated, advice=advice)]
     logprobs = train.make_compute_logprobs(mc, cfg, mesh)
-    jitted = logprobs.jitted_score_norms if program == "score_norms" else logprobs.jitted
+    if program == "score_norms":
+      jitted, advice = logprobs.jitted_score_norms, logprobs.score_norms_memory_advice
+    else:
+      jitted, advice = logprobs.jitted, logprobs.memory_advice
     trace = lambda: jitted.trace(state.params, batch)  # noqa: E731
-    return [Program(trace, flops, nbytes, tokens, advice=logprobs.memory_advice(load.rows))]
+    return [Program(trace, flops, nbytes, tokens, advice=advice(load.rows))]
   task = shapes_task(model, load)
   if program.startswith("rl_step"):
     return [_rl_step_program(mc, rollout_config(config, program), load, mesh, task)]

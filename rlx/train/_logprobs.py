@@ -61,7 +61,7 @@ class ComputeLogprobs:
     return _train_memory.compute_logprobs_advice(self.spec, self.mesh, rows)
 
   def __call__(self, params: Any, batch: Mapping[str, Any]) -> Float[Array, "B S"]:
-    return self._run(self.jitted, "compute_logprobs", params, batch)
+    return self._run(self.jitted, "compute_logprobs", params, batch, self.memory_advice)
 
   def score_norms(self, params: Any, batch: Mapping[str, Any]) -> Float[Array, " B"]:
     """Per-row score-gradient norms `||grad_theta sum_s logp[b, s]||_2`, f32[B].
@@ -80,16 +80,30 @@ class ComputeLogprobs:
     row); raise `micro_batches` for a big model or vocabulary. A row with no
     loss tokens gets 0.
     """
-    extra = (
+    return self._run(
+      self.jitted_score_norms,
+      "compute_logprobs.score_norms",
+      params,
+      batch,
+      self.score_norms_memory_advice,
+    )
+
+  def score_norms_memory_advice(self, rows: int | None = None) -> tuple[str, ...]:
+    """`memory_advice` for `score_norms` (B = `rows`): its per-row gradients first."""
+    return (
       f"train.micro_batches = {self.micro_batches} (now): score_norms holds, per row of a "
       "micro-batch on its device, the gradient of one gathered decoder layer at a time plus "
       "that of the embedding / final norm / LM head ([V, D] per row); more micro-batches hold "
       "fewer rows",
-    )
-    return self._run(self.jitted_score_norms, "compute_logprobs.score_norms", params, batch, extra)
+    ) + self.memory_advice(rows)
 
   def _run(
-    self, jitted: Any, name: str, params: Any, batch: Mapping[str, Any], extra: tuple = ()
+    self,
+    jitted: Any,
+    name: str,
+    params: Any,
+    batch: Mapping[str, Any],
+    advice: Callable[[int], tuple[str, ...]],
   ) -> jax.Array:
     if isinstance(params, _state.TrainState):
       params = params.params
@@ -99,7 +113,7 @@ class ComputeLogprobs:
     _batch.check_values(batch, int(self.model_config.vocab_size))
     inputs = {k: batch[k] for k in _INPUT_KEYS if k in batch}
     rows = int(inputs["tokens"].shape[0])
-    with _memory.explain_out_of_memory(name, lambda: extra + self.memory_advice(rows)):
+    with _memory.explain_out_of_memory(name, lambda: advice(rows)):
       return jitted(params, _placement.place_batch(inputs, self.mesh))
 
 

@@ -122,3 +122,11 @@ def test_score_norms_checks_the_batch():
     logprobs.score_norms(state, {k: batch[k][:12] for k in ("tokens", "loss_mask")})
   with pytest.raises(ValueError, match="`batch` needs `tokens` and `loss_mask`"):
     logprobs.score_norms(state, {"tokens": batch["tokens"]})
+
+
+def test_score_norms_memory_advice_names_its_per_row_gradients_first():
+  _, _, _, logprobs = tl.fns("data8")
+  advice = logprobs.score_norms_memory_advice(64)
+  assert advice[0].startswith("train.micro_batches = ")
+  assert "per row of a micro-batch" in advice[0]
+  assert advice[1:] == logprobs.memory_advice(64)
