@@ -1,6 +1,6 @@
 """experiments/compile_tpu.py --smoke: a tiny model's programs compile for v5e:2x2.
 
-One module-wide run of every program (train step, log-probs, the sampler's prefill and
+One module-wide run of every program (train step, log-probs, score norms, the sampler's prefill and
 decode on bf16 / FP8 KV pages and with FP8 linears, the FP8 matmul, the fused RL step),
 then checks of its statuses, donation and kernels.
 """
@@ -43,6 +43,11 @@ def test_smoke_run_compiles_and_reports(compile_tpu, smoke_rows):
   # The backward pass makes a train step ~3x the FLOPs of a forward over the same tokens.
   assert step.flops == pytest.approx(3 * logprobs.flops)
   assert step.bytes > logprobs.bytes > 0
+  # VCPO's per-row score-gradient norms: one forward and backward per row, nothing donated.
+  norms = rows["score_norms"]
+  assert (norms.status, norms.memory["alias"]) == ("ok", 0)
+  assert norms.flops == pytest.approx(3 * logprobs.flops)
+  assert norms.bytes == pytest.approx(2 * logprobs.bytes)
   assert step.tokens_per_s == pytest.approx(load.rows * load.seq_len / step.roofline_s)
   table = compile_tpu.markdown(
     list(rows.values()), load, config, "python experiments/compile_tpu.py --smoke"
