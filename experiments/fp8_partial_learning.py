@@ -1,4 +1,4 @@
-r"""Learning checks of the two rollout levers: FP8 rollout (+ token TIS) and partial rollouts.
+r"""Learning checks of the rollout levers: FP8 rollout (+ token TIS), partial and async rollouts.
 
 Every variant is the main job (experiments/configs/arithmetic.py, or --config:
 experiments/configs/arithmetic_tail.py is the same job on a task with a long
@@ -18,6 +18,13 @@ after the other in this process (never two at once), each in
   sync_host     high precision, host-driven iteration (rl.fused = False): the
                 synchronous baseline of the partial rollouts (same driver)
   partial       rollout.over_provision = --over_provision (APRIL, host-driven)
+  async_tis     asynchronous rollout (`rl.async_rollout`, host-driven) on 2 host
+                devices, the rollout thread on its own one (`mesh.rollout_devices
+                = 1`) and the learner on the other, with the decoupled correction
+                (token-level TIS from the behaviour to the proximal policy,
+                truncate 2): the learner trains on batches its rollout thread
+                sampled from an older version while it trained. Its mesh differs,
+                so it trains its own warm-up (on its 1-device learner mesh).
   tail_sync / tail_partial
                 sync_host / partial with a long response budget:
                 sampler.max_new_tokens = --tail_max_new_tokens instead of the
@@ -54,11 +61,24 @@ import shutil
 import sys
 import time
 
-import numpy as np
-from absl import app, flags, logging
-from ml_collections import config_flags
+# The asynchronous variants need 2 host devices, set before jax starts; the others run on
+# one device either way (only when an async variant is asked for, so the others' runs are
+# made exactly as before).
+_ASYNC_DEVICES = 2
+if (
+  __name__ == "__main__"
+  and any(a.startswith("--runs=") and "async_" in a for a in sys.argv)
+  and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_ASYNC_DEVICES}"
+  ).strip()
 
-from rlx import rl
+import numpy as np  # noqa: E402 (after the host-device flag)
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from rlx import rl  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 _CONFIG = config_flags.DEFINE_config_file(
@@ -115,6 +135,15 @@ VARIANTS = {
     "rollout.kv_scale_mode": "per_token",
   },
   "sync_host": {"rl.fused": False},
+  "async_tis": {
+    "rl.fused": False,
+    "rl.async_rollout": True,
+    "mesh.num_devices": _ASYNC_DEVICES,
+    "mesh.rollout_devices": 1,
+    "train.use_rollout_correction": True,
+    "train.rollout_correction_kwargs.level": "token",
+    "train.rollout_correction_kwargs.truncate": 2.0,
+  },
   "partial": {"rl.fused": False, "rollout.over_provision": "OVER"},
   "tail_sync": {"rl.fused": False, "sampler.max_new_tokens": "TAIL"},
   "tail_partial": {
@@ -125,13 +154,13 @@ VARIANTS = {
 }
 
 
-# The static-KV-scale variant each per-token variant is paired with, seed by seed.
 # Each variant's paired baseline (same seed) in the "points − counterpart's" column: the
 # static-KV-scale FP8 run for a per-token one, the synchronous run for a partial one.
 COUNTERPART = {
   "fp8tok_tis": "fp8_tis",
   "fp8tok_nocorr": "fp8_nocorr",
   "partial": "sync_host",
+  "async_tis": "sync_host",
   "tail_partial": "tail_sync",
 }
 
@@ -179,10 +208,16 @@ def run_one(base, variant: str, seed: int) -> dict:
   workdir = os.path.join(_WORKDIR.value, f"{variant}_s{seed}")
   config = variant_config(base, variant, seed, _ITERATIONS.value)
   warm = os.path.join(workdir, "warmup")
-  if not os.path.exists(warm):  # reuse this seed's warm-up (it depends on the seed only)
+  # Reuse this seed's warm-up (it depends on the seed only), except across meshes: an
+  # asynchronous variant's warm-up key names its own mesh, so it trains its own.
+  if not os.path.exists(warm) and not variant.startswith("async"):
     for other in sorted(os.listdir(_WORKDIR.value)) if os.path.isdir(_WORKDIR.value) else []:
       src = os.path.join(_WORKDIR.value, other, "warmup")
-      if other.endswith(f"_s{seed}") and os.path.exists(os.path.join(src, "0")):
+      if (
+        other.endswith(f"_s{seed}")
+        and not other.startswith("async")
+        and os.path.exists(os.path.join(src, "0"))
+      ):
         os.makedirs(workdir, exist_ok=True)
         shutil.copytree(src, warm)
         shutil.copy(os.path.join(_WORKDIR.value, other, "metrics.jsonl"), workdir)
@@ -226,6 +261,9 @@ def _load(workdir):
     return None
   with open(path) as f:
     return json.load(f)
+
+
+LEARNER_KEYS = ("time/reward_s", "time/logp_s", "time/train_s")
 
 
 def run_stats(workdir: str) -> dict | None:
@@ -276,6 +314,21 @@ def run_stats(workdir: str) -> dict | None:
     ),
     "med_prefill_tokens": _median([r.get("rollout/prefill_tokens") for r in rl_recs]),
     "med_resumed": _median([r.get("rollout/groups_resumed") for r in rl_recs]),
+    # Asynchronous runs: the learner's wait for a batch, the batches' staleness in updates.
+    "med_learner_wait_s": _median([r.get("time/learner_wait_s") for r in rl_recs]),
+    # The learner's busy time per iteration: an async iteration less its wait for a batch,
+    # a synchronous one's reward + log-probs + train step (as experiments/bench_async.py).
+    "med_learner_busy_s": _median(
+      [
+        r["time/iteration_s"] - r["time/learner_wait_s"]
+        if "time/learner_wait_s" in r
+        else r["time/reward_s"] + r["time/logp_s"] + r["time/train_s"]
+        for r in rl_recs
+        if "time/learner_wait_s" in r or all(k in r for k in LEARNER_KEYS)
+      ]
+    ),
+    "staleness_mean": s.get("staleness_mean"),
+    "staleness_max": s.get("staleness_max"),
     "load": _load(workdir),
     "off_policy": _mean([r.get("rollout/off_policy_token_fraction") for r in rl_recs]),
     # Dev accuracy from the end of the warm-up (iteration 0) on.
@@ -398,7 +451,8 @@ def table(stats: dict) -> str:
     "",
     "| variant | seeds | test acc after (mean ± std) | points (mean ± std) | "
     "points − hp's on the same seed (mean ± std) | points − the counterpart's on the same "
-    "seed (per-token vs static KV scales, partial vs synchronous) | mismatch k3 | RL s/it |",
+    "seed (per-token vs static KV scales, partial or async vs synchronous) | mismatch k3 | "
+    "RL s/it |",
     "|---|---|---|---|---|---|---|---|",
   ]
   for variant in VARIANTS:
@@ -460,6 +514,7 @@ def table(stats: dict) -> str:
         f"{_fmt(st['med_resumed'], '.1f')} |"
       )
     lines += _comparisons(stats)
+  lines += _async_section(stats)
   # The note is this text; --table_only only re-reads finished runs (the command reruns them).
   args = [a for a in sys.argv[1:] if not a.startswith("--note") and a != "--table_only"]
   cmd = " ".join(["python", "experiments/fp8_partial_learning.py", *args])
@@ -491,6 +546,61 @@ def _comparisons(stats: dict) -> list[str]:
         f"{_fmt(p['med_rollout_share'], '.0%')} vs {_fmt(s['med_rollout_share'], '.0%')} of it."
       )
   return ["", *out] if out else []
+
+
+def _async_section(stats: dict) -> list[str]:
+  """Asynchronous runs beside the synchronous run of the same seed (none: no lines)."""
+  seeds = sorted(seed for (variant, seed) in stats if variant == "async_tis")
+  if not seeds:
+    return []
+  lines = [
+    "",
+    "## Asynchronous vs synchronous rollouts (host-driven)",
+    "",
+    "Medians over the RL iterations: the iteration time; the rollout's collection time "
+    "(`time/rollout_s`; asynchronous: the rollout thread's, for the batch the iteration "
+    "trained on); the learner's busy time (synchronous: reward + log-probs + train step; "
+    "asynchronous: the iteration less its wait for a queued batch, `time/learner_wait_s`); "
+    "vs slower sync side: the asynchronous median iteration over the larger of the "
+    "synchronous run's (same seed) median rollout and learner times (1.00x = perfect "
+    "overlap). Staleness: the updates between the version that sampled a token and the one "
+    "trained on it, mean and max over the run's tokens (summary.json); TIS truncated: the "
+    "fraction of tokens whose behaviour -> proximal weight hit the truncation, mean over "
+    "iterations.",
+    "",
+    "| variant | test acc before | test acc after | points | RL time s | iteration s | "
+    "rollout s | learner busy s | learner wait s | vs slower sync side | staleness mean | "
+    "staleness max | TIS truncated |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for seed in seeds:
+    for variant in ("sync_host", "async_tis"):
+      st, sync = stats.get((variant, seed)), stats.get(("sync_host", seed))
+      if st is None:
+        continue
+      ratio = "-"
+      if variant != "sync_host" and sync is not None:
+        sides = [sync["med_rollout_s"], sync["med_learner_busy_s"]]
+        if not any(math.isnan(x) for x in sides):
+          ratio = f"{st['med_iteration_s'] / max(sides):.2f}x"
+      lines.append(
+        f"| {variant} (seed {seed}) | {st['before']:.3f} | {st['after']:.3f} | "
+        f"{100 * (st['after'] - st['before']):+.1f} | {st['rl_time_s']:.0f} | "
+        f"{_fmt(st['med_iteration_s'])} | {_fmt(st['med_rollout_s'])} | "
+        f"{_fmt(st['med_learner_busy_s'])} | {_fmt(st['med_learner_wait_s'])} | {ratio} | "
+        f"{_fmt(st['staleness_mean'], '.2f')} | {_fmt(st['staleness_max'], '.0f')} | "
+        f"{_fmt(st['tis_truncated'], '.4f')} |"
+      )
+  out = []
+  for seed in seeds:
+    a, s = stats[("async_tis", seed)], stats.get(("sync_host", seed))
+    if s is not None:
+      out.append(
+        f"async_tis vs sync_host (seed {seed}): test accuracy after RL {a['after']:.3f} vs "
+        f"{s['after']:.3f}; RL time {a['rl_time_s']:.0f} s vs {s['rl_time_s']:.0f} s "
+        f"({a['rl_time_s'] / s['rl_time_s']:.2f}x)."
+      )
+  return lines + ["", *out] if out else lines
 
 
 def plots(stats: dict, prefix: str) -> list[str]:

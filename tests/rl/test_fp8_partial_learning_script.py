@@ -30,6 +30,7 @@ def _fake_run(workdir: pathlib.Path, *, after: float, rollout: list[float], part
       "phase": "rl",
       "iteration": i,
       "time/rollout_s": r,
+      "time/reward_s": 0.0,
       "time/logp_s": 0.1,
       "time/train_s": 0.2,
       "time/iteration_s": r + 0.3,
@@ -100,3 +101,40 @@ def test_table_pairs_per_token_runs_with_their_static_counterparts(tmp_path):
   # fp8tok_tis - fp8_tis: +5.0 and +3.0 points -> +4.0 ± 1.4 (n = 2); vs hp: 0 and +3.
   assert "| +1.5 ± 2.1 (n = 2) | +4.0 ± 1.4 (n = 2) vs fp8_tis |" in table
   assert "| fp8_tis | 2 | 0.825 ± 0.035 | +32.5 ± 3.5 | -2.5 ± 3.5 (n = 2) | - |" in table
+
+
+def test_table_puts_async_runs_beside_the_synchronous_run_of_their_seed(tmp_path):
+  _fake_run(tmp_path / "sync_host_s0", after=0.75, rollout=[0.1, 0.2, 0.3, 0.9], partial=False)
+  _fake_run(tmp_path / "async_tis_s0", after=0.7, rollout=[0.2, 0.2, 0.2, 0.2], partial=False)
+  summary_path = tmp_path / "async_tis_s0" / "summary.json"
+  summary = json.loads(summary_path.read_text()) | {"staleness_mean": 1.5, "staleness_max": 3}
+  summary_path.write_text(json.dumps(summary))
+  metrics = tmp_path / "async_tis_s0" / "metrics.jsonl"
+  records = [json.loads(line) for line in metrics.read_text().splitlines()]
+  waits = iter([0.0, 0.4, 0.1, 0.3])
+  for r in records:
+    if r["phase"] == "rl":
+      r["time/learner_wait_s"] = next(waits)
+  metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+  out = tmp_path / "table.md"
+  proc = subprocess.run(
+    [sys.executable, "experiments/fp8_partial_learning.py", f"--workdir={tmp_path}",
+     "--runs=sync_host:0,async_tis:0", f"--out={out}", "--table_only"],
+    cwd=_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+    timeout=300,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  table = out.read_text()
+  # Paired with the synchronous run: 20 - 25 points.
+  assert "| async_tis | 1 | 0.700 | +20.0 | - | -5.0 (n = 1) vs sync_host |" in table
+  # Median iteration 0.2 + 0.3, rollout 0.2, learner busy median of 0.5 - waits = 0.3,
+  # wait (0.1 + 0.3) / 2; the slower sync side is its learner, 0.0 + 0.1 + 0.2 (rollout
+  # median 0.25): 0.5 / 0.3 = 1.67x; staleness from the summary.
+  assert (
+    "| async_tis (seed 0) | 0.500 | 0.700 | +20.0 | 8 | 0.500 | 0.200 | 0.300 | 0.200 | 1.67x "
+    "| 1.50 | 3 | - |"
+  ) in table
+  assert (
+    "| sync_host (seed 0) | 0.500 | 0.750 | +25.0 | 15 | 0.550 | 0.250 | 0.300 | - | - |" in table
+  )
+  assert "async_tis vs sync_host (seed 0): test accuracy after RL 0.700 vs 0.750" in table
