@@ -47,6 +47,20 @@ def _fake_run(workdir: pathlib.Path, *, after: float, rollout: list[float], part
   (workdir / "load.json").write_text(json.dumps({"start": 1.25, "end": 2.5, "cores": 2}))
 
 
+def _table_only(args: list[str], out: pathlib.Path) -> str:
+  """Runs the script with `args` and --table_only; returns the table it wrote to `out`."""
+  proc = subprocess.run(
+    [sys.executable, "experiments/fp8_partial_learning.py", *args, "--table_only"],
+    cwd=_ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return out.read_text()
+
+
 def test_table_only_computes_the_phase_medians_and_the_comparison(tmp_path):
   _fake_run(tmp_path / "sync_host_s0", after=0.75, rollout=[0.1, 0.2, 0.3, 0.9], partial=False)
   _fake_run(tmp_path / "partial_s0", after=0.8, rollout=[0.2, 0.2, 0.2, 5.0], partial=True)
@@ -58,16 +72,7 @@ def test_table_only_computes_the_phase_medians_and_the_comparison(tmp_path):
     "--runs=sync_host:0,partial:0",
     f"--out={out}",
   ]
-  proc = subprocess.run(
-    [sys.executable, "experiments/fp8_partial_learning.py", *args, "--table_only"],
-    cwd=_ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  table = out.read_text()
+  table = _table_only(args, out)
   assert "overrides `--config.model.family=qwen2`" in table
   assert "| 1.2-2.5 / 2 |" in table  # the recorded load averages
   # Medians per iteration: rollout, logp, train, iteration, rollout share, prefill, resumed.
@@ -90,14 +95,7 @@ def test_table_pairs_per_token_runs_with_their_static_counterparts(tmp_path):
       _fake_run(tmp_path / f"{variant}_s{seed}", after=after, rollout=[0.1] * 4, partial=False)
   out = tmp_path / "table.md"
   runs = ",".join(f"{v}:{s}" for v in afters for s in (0, 1))
-  proc = subprocess.run(
-    [sys.executable, "experiments/fp8_partial_learning.py", f"--workdir={tmp_path}",
-     f"--runs={runs}", f"--out={out}", "--table_only"],
-    cwd=_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-    timeout=300,
-  )  # fmt: skip
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  table = out.read_text()
+  table = _table_only([f"--workdir={tmp_path}", f"--runs={runs}", f"--out={out}"], out)
   # fp8tok_tis - fp8_tis: +5.0 and +3.0 points -> +4.0 ± 1.4 (n = 2); vs hp: 0 and +3.
   assert "| +1.5 ± 2.1 (n = 2) | +4.0 ± 1.4 (n = 2) vs fp8_tis |" in table
   assert "| fp8_tis | 2 | 0.825 ± 0.035 | +32.5 ± 3.5 | -2.5 ± 3.5 (n = 2) | - |" in table
@@ -117,14 +115,8 @@ def test_table_puts_async_runs_beside_the_synchronous_run_of_their_seed(tmp_path
       r["time/learner_wait_s"] = next(waits)
   metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
   out = tmp_path / "table.md"
-  proc = subprocess.run(
-    [sys.executable, "experiments/fp8_partial_learning.py", f"--workdir={tmp_path}",
-     "--runs=sync_host:0,async_tis:0", f"--out={out}", "--table_only"],
-    cwd=_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-    timeout=300,
-  )  # fmt: skip
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  table = out.read_text()
+  runs = "--runs=sync_host:0,async_tis:0"
+  table = _table_only([f"--workdir={tmp_path}", runs, f"--out={out}"], out)
   # Paired with the synchronous run: 20 - 25 points.
   assert "| async_tis | 1 | 0.700 | +20.0 | - | -5.0 (n = 1) vs sync_host |" in table
   # Median iteration 0.2 + 0.3, rollout 0.2, learner busy median of 0.5 - waits = 0.3,
