@@ -155,7 +155,8 @@ VARIANTS = {
 
 
 # Each variant's paired baseline (same seed) in the "points − counterpart's" column: the
-# static-KV-scale FP8 run for a per-token one, the synchronous run for a partial one.
+# static-KV-scale FP8 run for a per-token one, the synchronous run for a partial or an
+# asynchronous one.
 COUNTERPART = {
   "fp8tok_tis": "fp8_tis",
   "fp8tok_nocorr": "fp8_nocorr",
